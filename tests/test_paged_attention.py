@@ -1,0 +1,158 @@
+"""Paged attention: XLA reference == numpy per-token loop; Pallas (interpret) == XLA.
+
+Tolerances, on outputs of magnitude O(1) (inputs ~ N(0, 1)):
+  float32:  XLA vs numpy (float64) and Pallas vs XLA, |err| <= 2e-5.
+  bfloat16: Pallas vs XLA, |err| <= 1e-2 + 1.6e-2 * |ref| (about two bf16 ulps: both round
+            the output to bf16, and the kernel rounds probabilities to bf16 before the PV
+            matmul while the reference keeps them in float32).
+Shapes are static per configuration, so hypothesis examples within one reuse the compile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pddjax.model.attention import paged_attention, write_kv
+from pddjax.model.attention.pallas_paged import choose_blocks, paged_attention_pallas
+
+NUM_ROWS = 4  # B (padded batch)
+NUM_TOKENS = 40  # T (packed query tokens, incl. padding)
+MAX_Q_LEN = 16
+MAX_KV = 64  # per-row KV capacity in tokens
+KV_HEADS = 2
+HEAD_DIM = 16
+SCALE = HEAD_DIM**-0.5
+
+# (page size, GQA ratio, dtype, whose block sizes): every page size and ratio meets both dtypes.
+CONFIGS = [
+    (8, 1, "float32", "cpu"),
+    (16, 3, "float32", "gpu"),
+    (32, 4, "float32", "tpu"),
+    (8, 4, "bfloat16", "gpu"),
+    (16, 1, "bfloat16", "tpu"),
+    (32, 3, "bfloat16", "cpu"),
+]
+
+# One row: (kind, q_len seed, cached-prefix seed). Lengths are derived so they always fit.
+row_st = st.tuples(st.sampled_from(["empty", "decode", "extend", "prefill"]),
+                   st.integers(1, MAX_Q_LEN), st.integers(0, MAX_KV))
+batch_st = st.tuples(st.lists(row_st, min_size=NUM_ROWS, max_size=NUM_ROWS),
+                     st.integers(0, 2**32 - 1))
+
+
+def make_batch(rows, seed: int, page_size: int, group: int, dtype: str):
+    """A ragged batch: decode / extend / prefill (+ cached prefix) / empty rows, scattered pages."""
+    rng = np.random.default_rng(seed)
+    max_pages = MAX_KV // page_size
+    num_pages = 1 + NUM_ROWS * max_pages + 3  # page 0 is scratch
+    q_lens, kv_lens, budget = [], [], NUM_TOKENS
+    for kind, n, cached in rows:
+        q_len = {"empty": 0, "decode": 1, "extend": 2 + n % 8, "prefill": n}[kind]
+        q_len = min(q_len, budget)
+        budget -= q_len
+        q_lens.append(q_len)
+        kv_lens.append(q_len + cached % (MAX_KV - q_len + 1) if q_len else 0)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    perm = rng.permutation(np.arange(1, num_pages))  # random, non-contiguous page tables
+    page_tables = np.zeros((NUM_ROWS, max_pages), np.int32)
+    for r in range(NUM_ROWS):
+        n = -(-kv_lens[r] // page_size)
+        page_tables[r, :n] = perm[r * max_pages: r * max_pages + n]
+    q = rng.standard_normal((NUM_TOKENS, KV_HEADS * group, HEAD_DIM), np.float32)
+    k = rng.standard_normal((KV_HEADS, num_pages, page_size, HEAD_DIM), np.float32)
+    v = rng.standard_normal((KV_HEADS, num_pages, page_size, HEAD_DIM), np.float32)
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    return q, k, v, jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_tables)
+
+
+def numpy_reference(q, k, v, cu, kv_lens, page_tables, sm_scale):
+    """One query token and one head at a time, float64."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    cu, kv_lens, page_tables = (np.asarray(x) for x in (cu, kv_lens, page_tables))
+    out = np.zeros(q.shape, np.float64)
+    heads, kv_heads, page_size = q.shape[1], k.shape[0], k.shape[2]
+    for r in range(len(kv_lens)):
+        q_len = cu[r + 1] - cu[r]
+        for i in range(q_len):
+            pos = kv_lens[r] - q_len + i
+            pages = [page_tables[r, p // page_size] for p in range(pos + 1)]
+            offs = [p % page_size for p in range(pos + 1)]
+            for h in range(heads):
+                kh = h // (heads // kv_heads)
+                keys, vals = k[kh, pages, offs], v[kh, pages, offs]  # [pos+1, D]
+                s = keys @ q[cu[r] + i, h] * sm_scale
+                w = np.exp(s - s.max())
+                out[cu[r] + i, h] = (w / w.sum()) @ vals
+    return out
+
+
+@functools.cache
+def compiled(impl: str, block_backend: str | None = None):
+    if impl == "xla":
+        fn = functools.partial(paged_attention, impl="xla")
+    else:
+        def fn(q, k, v, cu, kv, pt, *, max_q_len, sm_scale):
+            blocks = choose_blocks(block_backend, page_size=k.shape[2], group=q.shape[1] // k.shape[0],
+                                   max_q_len=max_q_len, head_dim=q.shape[2])
+            return paged_attention_pallas(q, k, v, cu, kv, pt, max_q_len=max_q_len,
+                                          sm_scale=sm_scale, blocks=blocks, interpret=True)
+    return jax.jit(functools.partial(fn, max_q_len=MAX_Q_LEN, sm_scale=SCALE))
+
+
+def as_np(x):
+    return np.asarray(x.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("page_size,group,dtype,blocks_of", CONFIGS)
+@settings(max_examples=6, deadline=None)
+@given(batch=batch_st)
+def test_pallas_matches_xla(page_size, group, dtype, blocks_of, batch):
+    args = make_batch(*batch, page_size, group, dtype)
+    got = as_np(compiled("pallas", blocks_of)(*args))
+    want = as_np(compiled("xla")(*args))
+    assert np.isfinite(got).all()
+    assert np.all(got[int(args[3][-1]):] == 0)  # padding tokens give zeros
+    if dtype == "float32":
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    else:
+        np.testing.assert_allclose(got, want, atol=1e-2, rtol=1.6e-2)
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=batch_st, cfg=st.sampled_from([(8, 1), (16, 3), (32, 4)]))
+def test_xla_matches_numpy(batch, cfg):
+    args = make_batch(*batch, *cfg, "float32")
+    got = as_np(compiled("xla")(*args))
+    np.testing.assert_allclose(got, numpy_reference(*args, SCALE), atol=2e-5, rtol=0)
+    assert np.all(got[int(args[3][-1]):] == 0)
+
+
+def test_write_kv_scatters_and_padding_hits_scratch():
+    pool = jnp.zeros((2, 4, 8, 3))  # [KH, P, S, D]
+    k_new = jnp.arange(3 * 2 * 3, dtype=jnp.float32).reshape(3, 2, 3) + 1  # [T, KH, D]
+    pages, offs = jnp.array([2, 3, 0]), jnp.array([5, 0, 0])  # token 2 is padding -> page 0
+    k2, v2 = write_kv(pool, pool, k_new, -k_new, pages, offs)
+    np.testing.assert_array_equal(k2[:, 2, 5], k_new[0])
+    np.testing.assert_array_equal(v2[:, 3, 0], -k_new[1])
+    assert float(jnp.abs(k2[:, 1]).sum()) == 0.0  # other pages untouched
+    np.testing.assert_array_equal(pool, 0)  # inputs are not mutated
+
+
+def test_kernel_lowers_to_triton_for_cuda():
+    """The Pallas -> Triton lowering (which rejects non-power-of-two tiles) runs on CPU."""
+    T, H, KH, D, P, S, B, MP = 32, 9, 3, 64, 33, 16, 4, 8  # real-model heads: 9 q / 3 kv
+    shapes = [((T, H, D), jnp.bfloat16), ((KH, P, S, D), jnp.bfloat16), ((KH, P, S, D), jnp.bfloat16),
+              ((B + 1,), jnp.int32), ((B,), jnp.int32), ((B, MP), jnp.int32)]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    for max_q_len in (1, 32):
+        fn = functools.partial(paged_attention_pallas, max_q_len=max_q_len, sm_scale=0.125,
+                               backend="gpu", interpret=False)
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text
