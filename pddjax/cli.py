@@ -11,16 +11,14 @@ import argparse
 import importlib
 import sys
 
+from pddjax.errors import UserError  # noqa: F401  (re-exported for subcommands)
+
 # Modules that contribute subcommands (imported lazily so `pddjax --help` stays fast).
 _SUBCOMMAND_MODULES = [
     "pddjax.generate_cli",
     "pddjax.bench_cli",
     "pddjax.sim.cli",
 ]
-
-
-class UserError(Exception):
-    """An error caused by the user's input; its message is one sentence."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from pddjax.cli import UserError
+from pddjax.errors import UserError
 
 
 def register(sub) -> None:

@@ -10,6 +10,7 @@ Shapes are static per configuration, so hypothesis examples within one reuse the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -35,9 +36,9 @@ CONFIGS = [
     (8, 1, "float32", "cpu"),
     (16, 3, "float32", "gpu"),
     (32, 4, "float32", "tpu"),
-    (8, 4, "bfloat16", "gpu"),
+    (32, 4, "bfloat16", "gpu"),
     (16, 1, "bfloat16", "tpu"),
-    (32, 3, "bfloat16", "cpu"),
+    (8, 3, "bfloat16", "split"),  # 8 one-page KV blocks over 3 kv splits (3 + 3 + 2)
 ]
 
 # One row: (kind, q_len seed, cached-prefix seed). Lengths are derived so they always fit.
@@ -99,8 +100,12 @@ def compiled(impl: str, block_backend: str | None = None):
         fn = functools.partial(paged_attention, impl="xla")
     else:
         def fn(q, k, v, cu, kv, pt, *, max_q_len, sm_scale):
-            blocks = choose_blocks(block_backend, page_size=k.shape[2], group=q.shape[1] // k.shape[0],
-                                   max_q_len=max_q_len, head_dim=q.shape[2])
+            blocks = choose_blocks("cpu" if block_backend == "split" else block_backend,
+                                   page_size=k.shape[2], group=q.shape[1] // k.shape[0],
+                                   max_q_len=max_q_len, head_dim=q.shape[2], num_rows=NUM_ROWS,
+                                   num_kv_heads=KV_HEADS, max_pages=MAX_KV // k.shape[2])
+            if block_backend == "split":
+                blocks = dataclasses.replace(blocks, pages_per_block=1, kv_splits=3)
             return paged_attention_pallas(q, k, v, cu, kv, pt, max_q_len=max_q_len,
                                           sm_scale=sm_scale, blocks=blocks, interpret=True)
     return jax.jit(functools.partial(fn, max_q_len=MAX_Q_LEN, sm_scale=SCALE))
@@ -151,7 +156,7 @@ def test_kernel_lowers_to_triton_for_cuda():
     shapes = [((T, H, D), jnp.bfloat16), ((KH, P, S, D), jnp.bfloat16), ((KH, P, S, D), jnp.bfloat16),
               ((B + 1,), jnp.int32), ((B,), jnp.int32), ((B, MP), jnp.int32)]
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-    for max_q_len in (1, 32):
+    for max_q_len in (1, 32):  # decode (kv splits > 1) and prefill tiles
         fn = functools.partial(paged_attention_pallas, max_q_len=max_q_len, sm_scale=0.125,
                                backend="gpu", interpret=False)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -10,8 +10,10 @@ Reference protocol (every holder of a page owns one allocator reference):
   * The cache owns ONE reference on every page it stores; `insert` increfs the caller's page
     for each NEW node, and `evict` decrefs the page of each removed node.
   * A running sequence owns its own reference on every page in its page table, cached ones
-    included: after `m = match_prefix(prompt)` the engine calls `lock(m.last_node)` and
-    `allocator.incref(m.pages)`, then allocates the rest.
+    included: after `m = match_prefix(prompt)` the engine calls `lock(m.last_node)` FIRST
+    (an `evict` to make room between match and lock could drop the matched pages), then
+    `allocator.incref(m.pages)`, then allocates the rest (evicting if short; if it still
+    cannot, `unlock(m.last_node)` and retry later).
   * When it finishes: `insert(tokens, seq_pages)` (duplicates of pages already cached are
     not taken), `unlock(m.last_node)`, then `allocator.decref(seq_pages)`; pages nobody else
     holds (a partial last page, duplicate pages) become free right there.
@@ -186,7 +188,7 @@ class RadixCache:
         `num_pages` nodes are gone or none is evictable; decref their pages. Returns #evicted.
         """
         heap = [(n.last_access, n.uid, n) for n in self._page_to_node.values()
-                if not n.children and n.lock_ref == 0]
+                if not n.children]
         heapq.heapify(heap)
         evicted = 0
         while heap and evicted < num_pages:

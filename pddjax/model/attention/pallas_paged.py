@@ -7,8 +7,8 @@ padded [B, Qp] block and folds the query heads that share a KV head into the row
 
 where hps ("heads per step") query heads ride along each query token (Gp = n_sub * hps >= G,
 padded with zero heads when G is not a multiple; G = 3 with hps = 4 pads one head). One grid
-step is (row b, query block qb, head slot h): a [block_q * hps, D] query tile against kv head
-h // n_sub. So with hps = next_pow2(G) every KV page is read once per (row, q block), not once
+step is (row b, query block qb, head slot h, kv split s): a [block_q * hps, D] query tile
+against kv head h // n_sub. So with hps = next_pow2(G) every KV page is read once per (row, q block), not once
 per query head: GQA without copying or re-reading KV. Tile dims are powers of two (Triton);
 head counts (9 q / 3 kv) never are, so heads are never a block dim of the pool.
 
@@ -17,6 +17,11 @@ Inside a step, `lax.fori_loop` walks the row's page table in page-aligned KV blo
 the row's lengths: cdiv(last causal position + 1, block_kv), 0 for query blocks past q_len, so
 there is no data-dependent Python control flow. The mask is causal with offset kv_len - q_len;
 masked probabilities are set to 0 explicitly, so padding rows come out as exact zeros.
+
+KV splits (flash-decoding): a decode batch has only B * KH tiles, too few to fill a GPU, so
+`kv_splits` > 1 gives each tile's KV blocks to several grid steps; each writes a partial
+(out, m, l) and the wrapper merges them in float32. With kv_splits = 1 the kernel writes the
+final output directly.
 
 KV write: NOT fused. The new tokens' K/V are written by `write_kv` before the call. Fusing
 would race: in a chunked prefill, query block qb attends to keys of the new tokens of blocks
@@ -57,12 +62,17 @@ class Blocks:
     block_q: int  # query tokens per grid step (power of two)
     heads_per_step: int  # query heads folded into the tile rows (power of two)
     pages_per_block: int  # KV pages per inner-loop step (power of two)
+    kv_splits: int = 1  # grid steps sharing one tile's KV blocks (merged in the wrapper)
     num_warps: int | None = None  # Triton only
     num_stages: int | None = None  # Triton only
 
 
+GPU_SMS = 132  # H100 / H200; only used to size kv splits, so being off by a bit is harmless
+
+
 def choose_blocks(
-    backend: str, *, page_size: int, group: int, max_q_len: int, head_dim: int
+    backend: str, *, page_size: int, group: int, max_q_len: int, head_dim: int,
+    num_rows: int = 1, num_kv_heads: int = 1, max_pages: int = 1,
 ) -> Blocks:
     """Block sizes per backend; the only place they are chosen."""
     hps = _next_pow2(group)
@@ -71,10 +81,13 @@ def choose_blocks(
         # tl.dot needs M, N, K >= 16; keep the tile at <= 128 rows of f32 accumulators.
         block_q = min(max(want_q, max(1, 16 // hps)), max(1, 128 // hps))
         ppb = max(1, 64 // page_size)
-        return Blocks(block_q, hps, ppb, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+        # Split KV until there are ~2 waves of programs (decode: B * KH tiles are few).
+        tiles = num_rows * -(-max_q_len // block_q) * num_kv_heads * -(-group // hps)
+        splits = max(1, min(-(-max_pages // ppb), -(-2 * GPU_SMS // tiles)))
+        return Blocks(block_q, hps, ppb, splits, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
     if backend == "tpu":
         block_q = min(max(want_q, max(1, 8 // hps)), max(1, 256 // hps))
-        return Blocks(block_q, hps, max(1, 128 // page_size))
+        return Blocks(block_q, hps, max(1, 128 // page_size))  # megacore: rows suffice
     # cpu / interpret: cost is per grid step and per loop trip, so use big tiles.
     block_q = min(want_q, max(1, 64 // hps))
     return Blocks(block_q, hps, max(1, 64 // page_size))
@@ -86,10 +99,10 @@ def _load_kv_block(k_ref, v_ref, pages, page_size, head_dim):
     return k_ref[pages].reshape(n, head_dim), v_ref[pages].reshape(n, head_dim)
 
 
-def _kernel(q_len_ref, kv_len_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *,
-            sm_scale: float, blocks: Blocks, page_size: int):
+def _kernel(q_len_ref, kv_len_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs,
+            sm_scale: float, blocks: Blocks, page_size: int, blocks_per_split: int):
     # q_len_ref, kv_len_ref: [1]; pt_ref: [MPp]; q_ref, o_ref: [R, D] (R = block_q * hps);
-    # k_ref, v_ref: [P, S, D] (one kv head's pool)
+    # k_ref, v_ref: [P, S, D] (one kv head's pool); ml_refs (kv_splits > 1): m, l [R]
     rows, head_dim = q_ref.shape
     bq, hps, ppb = blocks.block_q, blocks.heads_per_step, blocks.pages_per_block
     block_kv = ppb * page_size
@@ -126,9 +139,14 @@ def _kernel(q_len_ref, kv_len_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *,
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, _, l = lax.fori_loop(0, num_kv_blocks, body, init)
-    l = l[:, None]
-    o_ref[...] = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+    first = pl.program_id(3) * blocks_per_split
+    last_block = jnp.minimum(first + blocks_per_split, num_kv_blocks)
+    acc, m, l = lax.fori_loop(first, jnp.maximum(first, last_block), body, init)
+    l2 = l[:, None]
+    o_ref[...] = jnp.where(l2 > 0, acc / jnp.where(l2 > 0, l2, 1.0), 0.0).astype(o_ref.dtype)
+    if ml_refs:  # partial result of one kv split: out normalized by its own l, plus m and l
+        ml_refs[0][...] = m
+        ml_refs[1][...] = l
 
 
 def paged_attention_pallas(
@@ -155,7 +173,8 @@ def paged_attention_pallas(
     if interpret is None:
         interpret = backend not in ("gpu", "cuda", "rocm", "tpu")
     blocks = blocks or choose_blocks(backend, page_size=page_size, group=group,
-                                     max_q_len=max_q_len, head_dim=head_dim)
+                                     max_q_len=max_q_len, head_dim=head_dim, num_rows=num_rows,
+                                     num_kv_heads=num_kv_heads, max_pages=max_pages)
     bq, hps, ppb = blocks.block_q, blocks.heads_per_step, blocks.pages_per_block
     n_sub = -(-group // hps)  # head slots per kv head
     g_pad = n_sub * hps
@@ -170,7 +189,10 @@ def paged_attention_pallas(
     qb = qb.reshape(num_rows, q_pad, num_kv_heads, n_sub, hps, head_dim)
     qb = qb.transpose(0, 2, 3, 1, 4, 5).reshape(num_rows, num_kv_heads * n_sub, q_pad * hps, head_dim)
 
-    mp_pad = -(-max_pages // ppb) * ppb
+    splits = blocks.kv_splits
+    kv_blocks = -(-max_pages // ppb)  # per-row capacity in KV blocks
+    per_split = -(-kv_blocks // splits)
+    mp_pad = kv_blocks * ppb
     pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, mp_pad - max_pages)))  # -> scratch
     q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
@@ -181,26 +203,42 @@ def paged_attention_pallas(
 
         compiler_params = plgpu.CompilerParams(num_warps=blocks.num_warps,
                                                num_stages=blocks.num_stages)
-    kernel = functools.partial(_kernel, sm_scale=sm_scale, blocks=blocks, page_size=page_size)
-    out = pl.pallas_call(
+    kernel = functools.partial(_kernel, sm_scale=sm_scale, blocks=blocks, page_size=page_size,
+                               blocks_per_split=per_split)
+    o_spec = pl.BlockSpec((None, None, None, rows, head_dim), lambda b, i, h, s: (s, b, h, i, 0))
+    o_shape = jax.ShapeDtypeStruct((splits,) + qb.shape, q.dtype if splits == 1 else jnp.float32)
+    out_specs, out_shape = o_spec, o_shape
+    if splits > 1:
+        ml_spec = pl.BlockSpec((None, None, None, rows), lambda b, i, h, s: (s, b, h, i))
+        ml_shape = jax.ShapeDtypeStruct((splits,) + qb.shape[:-1], jnp.float32)
+        out_specs, out_shape = [o_spec, ml_spec, ml_spec], [o_shape, ml_shape, ml_shape]
+    res = pl.pallas_call(
         kernel,
-        grid=(num_rows, num_q_blocks, num_kv_heads * n_sub),
+        grid=(num_rows, num_q_blocks, num_kv_heads * n_sub, splits),
         in_specs=[
-            pl.BlockSpec((1,), lambda b, i, h: (b,)),  # q_lens
-            pl.BlockSpec((1,), lambda b, i, h: (b,)),  # kv_lens
-            pl.BlockSpec((None, mp_pad), lambda b, i, h: (b, 0)),  # page table row
-            pl.BlockSpec((None, None, rows, head_dim), lambda b, i, h: (b, h, i, 0)),  # q tile
+            pl.BlockSpec((1,), lambda b, i, h, s: (b,)),  # q_lens
+            pl.BlockSpec((1,), lambda b, i, h, s: (b,)),  # kv_lens
+            pl.BlockSpec((None, mp_pad), lambda b, i, h, s: (b, 0)),  # page table row
+            pl.BlockSpec((None, None, rows, head_dim), lambda b, i, h, s: (b, h, i, 0)),  # q tile
             pl.BlockSpec((None, num_pages, page_size, head_dim),
-                         lambda b, i, h: (h // n_sub, 0, 0, 0)),  # k pool of kv head
+                         lambda b, i, h, s: (h // n_sub, 0, 0, 0)),  # k pool of kv head
             pl.BlockSpec((None, num_pages, page_size, head_dim),
-                         lambda b, i, h: (h // n_sub, 0, 0, 0)),  # v pool of kv head
+                         lambda b, i, h, s: (h // n_sub, 0, 0, 0)),  # v pool of kv head
         ],
-        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda b, i, h: (b, h, i, 0)),
-        out_shape=jax.ShapeDtypeStruct(qb.shape, q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=compiler_params,
         name="ragged_paged_attention",
     )(q_lens, kv_lens, pt, qb, k_pages, v_pages)
+    if splits == 1:
+        out = res[0]
+    else:  # merge kv splits: weights l_s * exp(m_s - max m), float32
+        o_parts, m_parts, l_parts = res  # [NS, B, HS, R, D], [NS, B, HS, R] x2
+        w = l_parts * jnp.exp(m_parts - m_parts.max(axis=0, keepdims=True))
+        total = w.sum(axis=0)
+        out = (w[..., None] * o_parts).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+        out = out.astype(q.dtype)
 
     # Unfold: [B, KH*n_sub, Qp*hps, D] -> [B, Qp, KH, Gp, D] -> drop padded heads -> [T, H, D]
     out = out.reshape(num_rows, num_kv_heads, n_sub, q_pad, hps, head_dim)

@@ -1,0 +1,5 @@
+import sys
+
+from pddjax.cli import main
+
+sys.exit(main())

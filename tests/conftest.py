@@ -1,0 +1,29 @@
+"""Shared fixtures. JAX's persistent compilation cache is on, so reruns reuse compiled code."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pddjax.model.jax_setup import configure
+
+configure()
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from pddjax.model.registry import load_model
+
+    return load_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real model (orbax-cached after the first load in this environment)."""
+    from pddjax.model.registry import load_model
+
+    return load_model("smollm2-135m")
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
