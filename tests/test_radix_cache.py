@@ -141,6 +141,16 @@ def test_lru_order_and_touch():
     assert c.match_prefix([1] * 4).pages == pa
 
 
+def test_insert_refreshes_lru_even_for_existing_pages():
+    a, c = make()
+    cached(c, a, [1] * 4)
+    cached(c, a, [2] * 4)
+    cached(c, a, [1] * 4)  # already cached: returns 0 but counts as a use
+    assert c.evict(1) == 1
+    assert c.match_prefix([2] * 4).num_tokens == 0
+    assert c.match_prefix([1] * 4).num_tokens == 4
+
+
 def test_eviction_cascades_leaf_first():
     a, c = make()
     pages, _ = cached(c, a, list(range(12)))

@@ -55,3 +55,19 @@ def test_top_p_keeps_smallest_nucleus():
 def test_bad_params_are_refused(bad):
     with pytest.raises(ValueError):
         bad.validate()
+
+
+def test_bisection_filters_match_a_sorting_reference():
+    """Draws stay inside the nucleus/top-k set computed by sorting (numpy)."""
+    rng = np.random.default_rng(5)
+    for trial in range(4):
+        logits = (rng.standard_normal((1, 300)) * 3).astype(np.float32)
+        temp, k, p = 0.8, int(rng.integers(0, 40)), float(rng.uniform(0.3, 0.95))
+        order = np.argsort(-logits[0] / temp)
+        keep = order[:k] if k else order
+        probs = np.exp(logits[0, keep] / temp - (logits[0, keep] / temp).max())
+        probs /= probs.sum()
+        cum_before = np.cumsum(probs) - probs
+        allowed = set(keep[cum_before < p].tolist())
+        draws = {int(_sample(logits, trial, t, temp=temp, k=k, p=p)[0]) for t in range(40)}
+        assert draws <= allowed, (k, p, draws - allowed)

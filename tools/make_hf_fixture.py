@@ -18,6 +18,13 @@ Exact commands (from /work/main):
 What it records:
   * tokenizer: `tok(text, add_special_tokens=False).input_ids` for varied texts,
     with the tokenizer built by `AutoTokenizer.from_pretrained(dir, gguf_file=...)`.
+    ids_digits_pretok (only where different): ids from the same vocab/merges
+    but with SmolLM2's original tokenizer.json pre-tokenizer
+    Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)], which
+    llama.cpp's "smollm" pre-type also implements. HF's GGUF converter ignores
+    tokenizer.ggml.pre="smollm" and uses plain ByteLevel (GPT-2 regex); with no
+    digit merges in the vocab the two agree except on whitespace runs before a
+    numeric char and on non-ASCII numerics (e.g. "  42", " \u0661").
   * chat: `apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`
     and the ids of that text (add_special_tokens=False; the GGUF says
     add_bos_token=False, so no BOS is prepended).
@@ -47,6 +54,7 @@ import torch
 import transformers
 import gguf
 import tokenizers
+from tokenizers import Tokenizer, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,6 +81,7 @@ TOKENIZER_TEXTS = [
     "<|im_start|>user\nhi<|im_end|>",
     "<|im_start|>assistant\n<|endoftext|>",
     "non-ASCII digits: \u0661\u0662\u0663 \uff11\uff12\uff13 \u0967\u0968\u0969 x\u00b2",
+    "two spaces  42, newline-space\n 7, tab\t 9 \u00bd",
     "",
 ]
 
@@ -143,10 +152,19 @@ def main():
     model.eval()
     bt = tok.backend_tokenizer
 
+    orig = Tokenizer.from_str(bt.to_str())
+    orig.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+    ])
     tok_cases = []
     for text in TOKENIZER_TEXTS:
         ids = tok(text, add_special_tokens=False).input_ids
-        tok_cases.append({"text": text, "ids": ids})
+        case = {"text": text, "ids": ids}
+        alt = orig.encode(text, add_special_tokens=False).ids
+        if alt != ids:
+            case["ids_digits_pretok"] = alt
+        tok_cases.append(case)
         rt = tok.decode(ids)
         if rt != text:
             print(f"note: decode roundtrip differs for {text!r}: {rt!r}", file=sys.stderr)
@@ -191,7 +209,7 @@ def main():
         for l in logits:
             t2 = torch.topk(l, 2).values
             margins.append(round(float(t2[0] - t2[1]), 5))
-        greedy.append({
+        entry = {
             "name": name,
             "prompt": prompt,
             "prompt_ids": ids,
@@ -200,7 +218,11 @@ def main():
             "top5_first": {"ids": top.indices.tolist(), "values": [round(float(v), 5) for v in top.values]},
             "margins": margins,
             "nocache_match": check == new,
-        })
+        }
+        alt = orig.encode(prompt, add_special_tokens=False).ids
+        if alt != ids:
+            entry["prompt_ids_digits_pretok"] = alt
+        greedy.append(entry)
         print(f"[{name}] {len(ids)} prompt toks -> {tok.decode(new)!r}", file=sys.stderr)
 
     fixture = {

@@ -42,20 +42,20 @@ def _sampling_arrays(p: SamplingParams, step: int):
             jnp.array([p.top_p], jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _prefill(w, cfg: ModelConfig, tokens, length, cache, seeds, steps, temp, top_k, top_p):
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
+def _prefill(w, cfg: ModelConfig, tokens, length, cache, seeds, steps, temp, top_k, top_p, greedy=False):
     # tokens: [1, Tb] padded; length: [] valid tokens -> (first token [1], cache)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     logits, cache = forward_dense(w, cfg, tokens, positions, cache)  # [1, Tb, V]
     last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, keepdims=True)  # [1, V]
-    return sample(last, seeds, steps, temp, top_k, top_p), last, cache
+    return sample(last, seeds, steps, temp, top_k, top_p, greedy_only=greedy), last, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _decode(w, cfg: ModelConfig, token, position, cache, seeds, steps, temp, top_k, top_p):
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
+def _decode(w, cfg: ModelConfig, token, position, cache, seeds, steps, temp, top_k, top_p, greedy=False):
     # token: [1] last sampled id; position: [] its position -> (next token [1], cache)
     logits, cache = forward_dense(w, cfg, token[:, None], position.reshape(1, 1), cache)  # [1, 1, V]
-    return sample(logits[:, 0], seeds, steps, temp, top_k, top_p), logits[:, 0], cache
+    return sample(logits[:, 0], seeds, steps, temp, top_k, top_p, greedy_only=greedy), logits[:, 0], cache
 
 
 class ReferenceEngine:
@@ -78,17 +78,18 @@ class ReferenceEngine:
         cache = DenseKV.zeros(cfg, 1, min(bucket(n + max_tokens), bucket(cfg.max_context)), self.dtype)
         if cache.k.shape[2] < tb:  # prefill pad must fit the cache
             cache = DenseKV.zeros(cfg, 1, tb, self.dtype)
+        greedy = params.temperature <= 0
         tokens = np.zeros((1, tb), np.int32)
         tokens[0, :n] = prompt_ids
         tok, logits, cache = _prefill(self.weights, cfg, jnp.asarray(tokens), jnp.int32(n), cache,
-                                      *_sampling_arrays(params, 0))
+                                      *_sampling_arrays(params, 0), greedy=greedy)
         for step in range(max_tokens):
             t = int(tok[0])
             yield (t, np.asarray(logits[0])) if return_logits else t
             if t in stop or step + 1 == max_tokens:
                 return
             tok, logits, cache = _decode(self.weights, cfg, tok, jnp.int32(n + step), cache,
-                                         *_sampling_arrays(params, step + 1))
+                                         *_sampling_arrays(params, step + 1), greedy=greedy)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), max_tokens: int = 16,
                  stop_ids: tuple[int, ...] | None = None) -> GenerationResult:

@@ -188,7 +188,7 @@ class RadixCache:
         `num_pages` nodes are gone or none is evictable; decref their pages. Returns #evicted.
         """
         heap = [(n.last_access, n.uid, n) for n in self._page_to_node.values()
-                if not n.children]
+                if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         evicted = 0
         while heap and evicted < num_pages:

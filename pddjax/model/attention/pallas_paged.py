@@ -53,6 +53,11 @@ from jax.experimental import pallas as pl
 from pddjax.model.attention.xla_paged import MASK_VALUE, pack_rows, row_token_index
 
 
+# float32 operands are multiplied as float32 (Triton's default would be TF32, ~1e-3 error);
+# bf16 operands are exact products either way.
+_EXACT = lax.Precision.HIGHEST
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -122,7 +127,7 @@ def _kernel(q_len_ref, kv_len_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs,
         pages = pt_ref[pl.ds(j * ppb, ppb)]  # [ppb]
         k, v = _load_kv_block(k_ref, v_ref, pages, page_size, head_dim)  # [BK, D]
         # 'rd,kd->rk'
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_EXACT,
                             preferred_element_type=jnp.float32) * sm_scale  # [R, BK]
         k_pos = j * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         mask = (k_pos <= q_pos) & row_valid  # [R, BK]
@@ -132,7 +137,7 @@ def _kernel(q_len_ref, kv_len_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs,
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         l = alpha * l + p.sum(axis=1)
         # 'rk,kd->rd'
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_EXACT,
                              preferred_element_type=jnp.float32)
         return alpha[:, None] * acc + pv, m_new, l
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 # Large finite negative: masked logits never produce inf - inf = nan.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -72,7 +73,8 @@ def paged_attention_xla(
 
     # logits: 'bqkgd,bskd->bkgqs' (K = kv head, G = query heads sharing it), float32
     logits = jnp.einsum(
-        "bqkgd,bskd->bkgqs", q_blk, k_rows, preferred_element_type=jnp.float32
+        "bqkgd,bskd->bkgqs", q_blk, k_rows, preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST,  # no TF32 on GPU: this is the reference
     ) * sm_scale
 
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [B]
@@ -88,7 +90,8 @@ def paged_attention_xla(
     p = p / jnp.where(denom > 0, denom, 1.0)  # fully masked (padding) rows -> zeros
 
     # out: 'bkgqs,bskd->bqkgd', float32
-    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v_rows.astype(jnp.float32))
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v_rows.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
     out = out.reshape(num_rows, max_q_len, num_heads, head_dim).astype(q.dtype)
     return pack_rows(cu_q_lens, out, num_tokens)  # [T, H, D]
 

@@ -1,0 +1,91 @@
+"""An instance profile measured by `pddjax bench engine --json` on a real machine.
+
+Input (extra keys ignored):
+
+    {"model": "smollm2-135m",
+     "decode_ms": {"1": 9.1, "8": 10.4, "32": 15.0},     # one decode step at batch B
+     "extend_ms": {"1": 9.0, "16": 11.2, "64": 19.8},    # one extend pass over T tokens
+     "prefill_tokens_per_s": 5200.0,
+     "kv_capacity_tokens": 200000}                        # optional
+
+Times are interpolated piecewise-linearly in batch / tokens, extrapolated linearly past the
+last point and clamped below the first. The measurement has no context axis, so context
+length is ignored (the benchmark's contexts are short). A decode step with extend chunks
+batched in costs decode(B) + extend(T) - extend(1): the chunk's tokens ride on a pass that
+already reads the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def interp(table: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear interpolation over sorted (x, y) points, linear past the end."""
+    if x <= table[0][0] or len(table) == 1:
+        return table[0][1]
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = table[-2], table[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+
+
+def _table(obj: dict, key: str) -> list[tuple[float, float]]:
+    raw = obj.get(key)
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"engine profile needs a non-empty object {key!r}")
+    try:
+        pts = sorted((float(k), float(v) / 1000.0) for k, v in raw.items())
+    except (TypeError, ValueError):
+        raise ValueError(f"engine profile {key!r} must map numbers to milliseconds") from None
+    if any(x <= 0 or y <= 0 for x, y in pts):
+        raise ValueError(f"engine profile {key!r} has non-positive entries")
+    return pts
+
+
+@dataclass(frozen=True)
+class MeasuredInstance:
+    """Same interface as `RooflineInstance`, from measured step times."""
+
+    model_name: str
+    decode: list[tuple[float, float]]  # (batch, seconds)
+    extend: list[tuple[float, float]]  # (tokens, seconds)
+    prefill_tokens_per_s: float
+    kv_capacity_tokens: int = 1_000_000
+    chips: int = 1
+    cost_per_hour: float = 1.0
+
+    @classmethod
+    def from_json(cls, obj: dict, cost_per_hour: float = 1.0) -> "MeasuredInstance":
+        rate = obj.get("prefill_tokens_per_s")
+        if not isinstance(rate, (int, float)) or rate <= 0:
+            raise ValueError("engine profile needs a positive 'prefill_tokens_per_s'")
+        return cls(
+            model_name=str(obj.get("model", "measured")), decode=_table(obj, "decode_ms"),
+            extend=_table(obj, "extend_ms"), prefill_tokens_per_s=float(rate),
+            kv_capacity_tokens=int(obj.get("kv_capacity_tokens", 1_000_000)), cost_per_hour=cost_per_hour,
+        )
+
+    @classmethod
+    def load(cls, path: str | Path, cost_per_hour: float = 1.0) -> "MeasuredInstance":
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(json.load(f), cost_per_hour)
+
+    @property
+    def name(self) -> str:
+        return f"measured:{self.model_name}"
+
+    def prefill_s(self, new: int, cached: int) -> float:
+        return max(new, 1) / self.prefill_tokens_per_s
+
+    def step_s(self, batch: int, ctx_sum: float, ext_tokens: int = 0, ext_ctx: float = 0,
+               ext_pairs: float = 0) -> float:
+        if batch <= 0:
+            return interp(self.extend, max(ext_tokens, 1))
+        t = interp(self.decode, batch)
+        if ext_tokens > 0:
+            t += max(0.0, interp(self.extend, ext_tokens) - interp(self.extend, 1))
+        return t

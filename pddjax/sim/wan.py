@@ -1,0 +1,171 @@
+"""A one-way network line: bandwidth, propagation latency, jitter, and how transfers share it.
+
+Sharing:
+- "fair" (default): processor sharing. All transfers in flight split the bandwidth equally,
+  like long-lived TCP flows on a bottleneck. Implemented with a virtual clock: V grows at
+  bw / n_active bytes per second, and a transfer of b bytes started at V0 ends when V = V0 + b.
+- "fifo": one transfer at a time at full bandwidth, in send order.
+
+A transfer is delivered `latency_s + jitter` after its last byte leaves; jitter is
+exponential with mean `jitter_s` (0 = none), drawn per transfer from the line's own seeded
+RNG. Small control messages (token ids, readiness acks) skip the byte queue and pay latency
+and jitter only. `bytes_sent` counts bytes that really left (a cancelled transfer counts
+what had been sent).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from pddjax.sim.events import EPS, EventLoop
+
+
+class Transfer:
+    __slots__ = ("nbytes", "on_done", "start_v", "end_v", "done", "cancelled", "sent_at_start", "t_start")
+
+    def __init__(self, nbytes: float, on_done: Callable[[], None]):
+        self.nbytes, self.on_done = nbytes, on_done
+        self.start_v = self.end_v = 0.0
+        self.done = self.cancelled = False
+        self.t_start = 0.0
+
+
+class Line:
+    """A shared link from one datacenter to another (or an uncontended fast link)."""
+
+    def __init__(self, loop: EventLoop, gbps: float, latency_s: float, jitter_s: float = 0.0,
+                 sharing: str = "fair", seed: int = 0):
+        if gbps <= 0 or latency_s < 0 or jitter_s < 0 or sharing not in ("fair", "fifo"):
+            raise ValueError("line needs gbps > 0, latency >= 0, jitter >= 0, sharing fair|fifo")
+        self.loop, self.bw = loop, gbps * 1e9 / 8  # bytes/s
+        self.latency_s, self.jitter_s, self.sharing = latency_s, jitter_s, sharing
+        self._rng = np.random.default_rng([seed, 7])
+        self.bytes_sent = 0.0
+        self._v, self._t = 0.0, 0.0  # virtual bytes served per flow, at time _t
+        self._active: list[tuple[float, int, Transfer]] = []  # heap by end_v (fair)
+        self._n = 0
+        self._fifo: deque[Transfer] = deque()
+        self._seq = itertools.count()
+        self._version = 0
+
+    # ---- queries ---------------------------------------------------------------------
+    def delay(self) -> float:
+        """One propagation delay sample: latency + jitter."""
+        j = self._rng.exponential(self.jitter_s) if self.jitter_s > 0 else 0.0
+        return self.latency_s + j
+
+    def backlog_bytes(self) -> float:
+        """Bytes still to leave for transfers in flight."""
+        self._advance()
+        if self.sharing == "fair":
+            return sum(tr.end_v - self._v for _, _, tr in self._active if not tr.cancelled)
+        return sum(tr.nbytes for tr in self._fifo) - (self._fifo_sent() if self._fifo else 0.0)
+
+    def predict_s(self, nbytes: float) -> float:
+        """Predicted delivery time of a new `nbytes` transfer (drain backlog first, FIFO-style)."""
+        return (self.backlog_bytes() + nbytes) / self.bw + self.latency_s + self.jitter_s
+
+    # ---- mutations -------------------------------------------------------------------
+    def message(self, on_done: Callable[[], None]) -> None:
+        """A tiny control message: delivered after one propagation delay."""
+        self.loop.after(self.delay(), on_done)
+
+    def send(self, nbytes: float, on_done: Callable[[], None]) -> Transfer:
+        """Start a transfer; on_done() runs when it is delivered (not if cancelled)."""
+        tr = Transfer(float(nbytes), on_done)
+        if nbytes <= 0:
+            tr.done = True
+            self.loop.after(self.delay(), on_done)
+            return tr
+        self._advance()
+        tr.t_start = self.loop.now
+        if self.sharing == "fair":
+            tr.start_v, tr.end_v = self._v, self._v + tr.nbytes
+            heapq.heappush(self._active, (tr.end_v, next(self._seq), tr))
+            self._n += 1
+        else:
+            self._fifo.append(tr)
+            if len(self._fifo) == 1:
+                tr.t_start = self.loop.now
+        self._reschedule()
+        return tr
+
+    def cancel(self, tr: Transfer) -> None:
+        """Stop a transfer in flight; the bytes already sent stay counted."""
+        if tr.done or tr.cancelled:
+            return
+        self._advance()
+        tr.cancelled = True
+        if self.sharing == "fair":
+            self.bytes_sent += self._v - tr.start_v
+            self._n -= 1
+        else:
+            if self._fifo and self._fifo[0] is tr:
+                self.bytes_sent += self._fifo_sent()
+                self._fifo.popleft()
+                if self._fifo:
+                    self._fifo[0].t_start = self.loop.now
+            else:
+                self._fifo.remove(tr)
+        self._reschedule()
+
+    # ---- internals -------------------------------------------------------------------
+    def _fifo_sent(self) -> float:
+        return min(self._fifo[0].nbytes, (self.loop.now - self._fifo[0].t_start) * self.bw)
+
+    def _advance(self) -> None:
+        now = self.loop.now
+        if self.sharing == "fair" and self._n > 0:
+            self._v += (now - self._t) * self.bw / self._n
+        self._t = now
+
+    def _reschedule(self) -> None:
+        self._version += 1
+        if self.sharing == "fair":
+            while self._active and self._active[0][2].cancelled:
+                heapq.heappop(self._active)
+            if not self._active:
+                return
+            dt = (self._active[0][0] - self._v) * self._n / self.bw
+        else:
+            if not self._fifo:
+                return
+            head = self._fifo[0]
+            dt = head.t_start + head.nbytes / self.bw - self.loop.now
+        self.loop.after(max(0.0, dt), self._complete, self._version)
+
+    def _complete(self, version: int) -> None:
+        if version != self._version:
+            return
+        self._advance()
+        finished = []
+        if self.sharing == "fair":
+            while self._active and (self._active[0][2].cancelled or self._active[0][0] <= self._v + EPS * self.bw):
+                _, _, tr = heapq.heappop(self._active)
+                if not tr.cancelled:
+                    finished.append(tr)
+                    self._n -= 1
+        else:
+            tr = self._fifo.popleft()
+            finished.append(tr)
+            if self._fifo:
+                self._fifo[0].t_start = self.loop.now
+        for tr in finished:
+            tr.done = True
+            self.bytes_sent += tr.nbytes
+            self.loop.after(self.delay(), tr.on_done)
+        if self.sharing == "fair" and self._n == 0:
+            self._v = 0.0  # idle line: restart the virtual clock (keeps floats small)
+            self._active.clear()
+        self._reschedule()
+
+
+def fast_link(loop: EventLoop, gbps: float = 400.0, latency_s: float = 10e-6) -> Line:
+    """An intra-datacenter RDMA link (per sending instance, so no cross-instance contention)."""
+    return Line(loop, gbps, latency_s, 0.0, "fair")
+
