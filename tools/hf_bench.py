@@ -16,9 +16,10 @@ HF DynamicCache. Token ids are random (seeded) in-vocab ids, not text.
   * prefill: one forward over a 512-token prompt (batch 1, fresh cache);
     median of 3 after 1 warm-up; reported as tokens/s and ms.
   * decode_b1: 256-token context prefilled, then 64 single-token steps with
-    the KV cache (argmax feedback); ms/step = total / 64, median of 3.
+    the KV cache (argmax feedback); ms/step = total / 64, median of 5.
   * decode_b16: 16 sequences x 256-token context (equal lengths, no padding),
-    then 32 steps of 16 tokens each; ms per step (all 16 rows), median of 3.
+    then 32 steps of 16 tokens each; ms per step (all 16 rows), median of 5.
+  loadavg_start/end are recorded so a noisy run can be spotted.
 """
 
 import json
@@ -31,12 +32,18 @@ import time
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.utils import logging as hf_logging
+import warnings
+
+hf_logging.set_verbosity_error()
+warnings.filterwarnings("ignore", category=FutureWarning)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_hf_fixture import GGUF_NAME, REPO, default_gguf_dir  # noqa: E402
 
 OUT = os.path.join(REPO, "tests", "fixtures", "hf_bench.json")
 THREADS = 2
+DECODE_REPEATS = 5  # decode runs are short; a noisy neighbour can spike one
 
 
 def prefill(model, ids):
@@ -66,7 +73,7 @@ def main():
     def rand_ids(b, n):
         return torch.randint(17, vocab, (b, n), generator=g)
 
-    res = {}
+    res = {"loadavg_start": list(os.getloadavg())}
     with torch.inference_mode():
         p = rand_ids(1, 512)
         prefill(model, p)  # warm-up
@@ -81,18 +88,19 @@ def main():
 
         c = rand_ids(1, 256)
         decode_steps(model, c, 4)  # warm-up
-        steps = [decode_steps(model, c, 64) for _ in range(3)]
+        steps = [decode_steps(model, c, 64) for _ in range(DECODE_REPEATS)]
         med = statistics.median(steps)
         res["decode_b1_ctx256"] = {"ms_per_step": round(med * 1e3, 2), "tokens_per_s": round(1 / med, 1),
                                    "steps": 64, "runs_ms_per_step": [round(t * 1e3, 2) for t in steps]}
 
         c16 = rand_ids(16, 256)
         decode_steps(model, c16, 2)  # warm-up
-        steps = [decode_steps(model, c16, 32) for _ in range(3)]
+        steps = [decode_steps(model, c16, 32) for _ in range(DECODE_REPEATS)]
         med = statistics.median(steps)
         res["decode_b16_ctx256"] = {"ms_per_step": round(med * 1e3, 2), "tokens_per_s": round(16 / med, 1),
                                     "steps": 32, "runs_ms_per_step": [round(t * 1e3, 2) for t in steps]}
 
+    res["loadavg_end"] = list(os.getloadavg())
     res["setup"] = {
         "model": GGUF_NAME, "dtype": "float32", "torch_threads": THREADS,
         "attn_implementation": getattr(model.config, "_attn_implementation", None),

@@ -88,6 +88,10 @@ class RadixCache:
         return self._num_evictable
 
     # ---- lookups (no mutation) -------------------------------------------------------
+    def cached_pages(self) -> set[int]:
+        """Ids of every page the cache stores."""
+        return set(self._page_to_node)
+
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
         """Longest cached full-page prefix of `tokens`.
 

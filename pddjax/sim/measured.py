@@ -6,7 +6,8 @@ Input (extra keys ignored):
      "decode_ms": {"1": 9.1, "8": 10.4, "32": 15.0},     # one decode step at batch B
      "extend_ms": {"1": 9.0, "16": 11.2, "64": 19.8},    # one extend pass over T tokens
      "prefill_tokens_per_s": 5200.0,
-     "kv_capacity_tokens": 200000}                        # optional
+     "kv_capacity_tokens": 200000,                        # optional
+     "kv_bytes_per_token": 23040}                         # optional (default: SmolLM2-135M)
 
 Times are interpolated piecewise-linearly in batch / tokens, extrapolated linearly past the
 last point and clamped below the first. The measurement has no context axis, so context
@@ -55,6 +56,7 @@ class MeasuredInstance:
     extend: list[tuple[float, float]]  # (tokens, seconds)
     prefill_tokens_per_s: float
     kv_capacity_tokens: int = 1_000_000
+    kv_bytes_per_token: float = 23_040.0  # SmolLM2-135M unless the profile says otherwise
     chips: int = 1
     cost_per_hour: float = 1.0
 
@@ -67,6 +69,7 @@ class MeasuredInstance:
             model_name=str(obj.get("model", "measured")), decode=_table(obj, "decode_ms"),
             extend=_table(obj, "extend_ms"), prefill_tokens_per_s=float(rate),
             kv_capacity_tokens=int(obj.get("kv_capacity_tokens", 1_000_000)), cost_per_hour=cost_per_hour,
+            kv_bytes_per_token=float(obj.get("kv_bytes_per_token", 23_040.0)),
         )
 
     @classmethod

@@ -69,6 +69,10 @@ class RooflineInstance:
         return self.chips * self.acc.price_per_hour
 
     @property
+    def kv_bytes_per_token(self) -> float:
+        return self.model.kv_bytes_per_token
+
+    @property
     def kv_capacity_tokens(self) -> int:
         free = self.chips * self.acc.mem_bytes * MEM_UTIL - self.model.param_bytes
         return max(0, int(free / self.model.kv_bytes_per_token))

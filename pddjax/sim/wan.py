@@ -26,13 +26,14 @@ from pddjax.sim.events import EPS, EventLoop
 
 
 class Transfer:
-    __slots__ = ("nbytes", "on_done", "start_v", "end_v", "done", "cancelled", "sent_at_start", "t_start")
+    __slots__ = ("nbytes", "on_done", "start_v", "end_v", "done", "cancelled", "sent", "t_start")
 
     def __init__(self, nbytes: float, on_done: Callable[[], None]):
         self.nbytes, self.on_done = nbytes, on_done
         self.start_v = self.end_v = 0.0
         self.done = self.cancelled = False
         self.t_start = 0.0
+        self.sent = 0.0  # bytes that left (nbytes once done)
 
 
 class Line:
@@ -67,8 +68,15 @@ class Line:
         return sum(tr.nbytes for tr in self._fifo) - (self._fifo_sent() if self._fifo else 0.0)
 
     def predict_s(self, nbytes: float) -> float:
-        """Predicted delivery time of a new `nbytes` transfer (drain backlog first, FIFO-style)."""
-        return (self.backlog_bytes() + nbytes) / self.bw + self.latency_s + self.jitter_s
+        """Predicted delivery time of a new `nbytes` transfer if nothing else arrives:
+        fair: (b + sum_i min(r_i, b)) / bw over the remaining bytes r_i in flight;
+        fifo: (backlog + b) / bw; plus mean latency and jitter."""
+        self._advance()
+        if self.sharing == "fair":
+            ahead = sum(min(tr.end_v - self._v, nbytes) for _, _, tr in self._active if not tr.cancelled)
+        else:
+            ahead = self.backlog_bytes()
+        return (ahead + nbytes) / self.bw + self.latency_s + self.jitter_s
 
     # ---- mutations -------------------------------------------------------------------
     def message(self, on_done: Callable[[], None]) -> None:
@@ -96,22 +104,23 @@ class Line:
         return tr
 
     def cancel(self, tr: Transfer) -> None:
-        """Stop a transfer in flight; the bytes already sent stay counted."""
+        """Stop a transfer in flight; the bytes already sent stay counted (in `tr.sent`)."""
         if tr.done or tr.cancelled:
             return
         self._advance()
         tr.cancelled = True
         if self.sharing == "fair":
-            self.bytes_sent += self._v - tr.start_v
+            tr.sent = min(tr.nbytes, self._v - tr.start_v)
             self._n -= 1
         else:
             if self._fifo and self._fifo[0] is tr:
-                self.bytes_sent += self._fifo_sent()
+                tr.sent = self._fifo_sent()
                 self._fifo.popleft()
                 if self._fifo:
                     self._fifo[0].t_start = self.loop.now
             else:
                 self._fifo.remove(tr)
+        self.bytes_sent += tr.sent
         self._reschedule()
 
     # ---- internals -------------------------------------------------------------------
@@ -156,7 +165,7 @@ class Line:
             if self._fifo:
                 self._fifo[0].t_start = self.loop.now
         for tr in finished:
-            tr.done = True
+            tr.done, tr.sent = True, tr.nbytes
             self.bytes_sent += tr.nbytes
             self.loop.after(self.delay(), tr.on_done)
         if self.sharing == "fair" and self._n == 0:

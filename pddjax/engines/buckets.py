@@ -1,0 +1,27 @@
+"""Shape buckets: every jitted step sees one of a few shapes, so a steady workload never
+recompiles. Plain Python (no jax)."""
+
+from __future__ import annotations
+
+
+def pow2_at_least(n: int, minimum: int = 1) -> int:
+    b = max(1, minimum)
+    while b < n:
+        b *= 2
+    return b
+
+
+def token_bucket(n: int) -> int:  # T: packed tokens per step
+    return pow2_at_least(n, 8)
+
+
+def row_bucket(n: int) -> int:  # B: rows per step
+    return pow2_at_least(n, 4)
+
+
+def pages_bucket(n: int) -> int:  # MP: page-table width
+    return pow2_at_least(n, 4)
+
+
+def q_len_bucket(n: int) -> int:  # max tokens of any row in the step
+    return pow2_at_least(n, 1)

@@ -1,0 +1,254 @@
+"""The paged engine behind every role: a KV pool, its allocator and radix prefix cache, and
+continuous batching of sequences through one jitted step.
+
+A request's life on an engine:
+  add()            match the prefix cache (lock + ref the shared pages), reserve pages for
+                   prompt + max_tokens (evicting unlocked cache pages if needed);
+  import_kv()      optional: KV computed elsewhere (P -> RLD/MD) lands in its pages;
+  append_tokens()  optional: token IDs produced elsewhere (the RLD -> MD handoff);
+  step()           every sequence with pending tokens becomes one row of a packed batch:
+                   prefill chunk, multi-token extend or one-token decode, all in one forward;
+                   a row that catches up samples the next token;
+  export_kv()      read tokens' KV out in the canonical form (P -> RLD/MD);
+  release()        insert the computed context into the prefix cache, drop the page refs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from pddjax.engines import buckets
+from pddjax.engines.sequence import Sequence
+from pddjax.engines.step import run_step
+from pddjax.kv.allocator import NULL_PAGE, OutOfPages, PageAllocator
+from pddjax.kv.canonical import KVImportError, KVRun, export_run, import_run
+from pddjax.kv.page_hash import chain_hashes
+from pddjax.kv.page_table import SequencePages, pages_needed
+from pddjax.kv.pool import KVPool
+from pddjax.kv.radix_cache import RadixCache
+from pddjax.model import weights as wmod
+from pddjax.model.config import ModelConfig
+from pddjax.model.paged import PackedBatch
+from pddjax.model.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "float32"  # weights and KV
+    page_size: int = 16
+    num_pages: int = 256  # page 0 is scratch
+    attention: str = "xla"  # "xla" | "pallas"
+    max_step_tokens: int = 256  # token budget of one step (prefill chunks fill what is left)
+    max_rows: int = 32
+    prefix_cache: bool = True
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    seq_id: str
+    position: int  # output position (0 = first generated token)
+    token: int
+    finish_reason: str | None  # set on the sequence's last token
+
+
+class PagedEngine:
+    def __init__(self, cfg: ModelConfig, weights: wmod.Weights, fingerprint: str, config: EngineConfig = EngineConfig()):
+        self.cfg, self.config, self.fingerprint = cfg, config, fingerprint
+        self.weights = wmod.cast(weights, jnp.dtype(config.dtype))
+        self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, config.num_pages, config.page_size,
+                                 cfg.head_dim, jnp.dtype(config.dtype))
+        self.allocator = PageAllocator(config.num_pages)
+        self.radix = RadixCache(config.page_size, self.allocator)
+        self.seqs: dict[str, Sequence] = {}
+        self.num_steps = 0
+
+    # ---- queries (no mutation) -------------------------------------------------------
+    def prefix_hit(self, prompt: list[int]) -> int:
+        """Tokens of `prompt` this engine's prefix cache holds. Does not modify the cache."""
+        return self.radix.match_prefix(prompt).num_tokens if self.config.prefix_cache else 0
+
+    def prefix_hit_by_hashes(self, hashes: list[int]) -> int:
+        """Leading pages held, given a peer's chained page hashes. Does not modify the cache."""
+        return self.radix.match_hashes(hashes) if self.config.prefix_cache else 0
+
+    def page_hashes(self, tokens: list[int]) -> list[int]:
+        return chain_hashes(tokens, self.config.page_size)
+
+    @property
+    def num_pages_active(self) -> int:
+        """Pages held by sequences (prefix-cache-only pages not counted)."""
+        held = set()
+        for s in self.seqs.values():
+            held.update(s.pages.pages)
+        return len(held)
+
+    # ---- admission -------------------------------------------------------------------
+    def add(self, seq_id: str, prompt: list[int], params: SamplingParams = SamplingParams(), max_tokens: int = 16,
+            stop_ids=None, *, hold_on_finish: bool = False, use_cache: bool = True) -> Sequence:
+        """Admit a sequence; returns it (`seq.pages.num_cached` = prefix-cache hit in tokens).
+        Raises OutOfPages (nothing allocated) if prompt + max_tokens cannot be reserved."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        if not prompt or len(prompt) + max_tokens > self.cfg.max_context:
+            raise ValueError(f"prompt of {len(prompt)} tokens plus {max_tokens} does not fit the context")
+        S = self.config.page_size
+        cached_pages, node = [], None
+        if use_cache and self.config.prefix_cache:
+            m = self.radix.match_prefix(prompt)
+            usable = min(m.num_tokens, (len(prompt) - 1) // S * S)  # keep >= 1 token to compute
+            cached_pages, node = m.pages[: usable // S], m.last_node
+            if cached_pages:
+                self.radix.lock(node)
+                self.radix.touch(node)
+        need = pages_needed(len(prompt) + max_tokens, S) - len(cached_pages)
+        try:
+            fresh = self._allocate(need)
+        except OutOfPages:
+            if cached_pages:
+                self.radix.unlock(node)
+            raise
+        self.allocator.incref(cached_pages)
+        pages = SequencePages(S, cached_pages + fresh, len(cached_pages) * S, len(cached_pages) * S)
+        seq = Sequence(seq_id, list(prompt), params, max_tokens,
+                       frozenset(self.cfg.eos_token_ids if stop_ids is None else stop_ids), pages,
+                       prefix_node=node if cached_pages else None, hold_on_finish=hold_on_finish)
+        self.seqs[seq_id] = seq
+        return seq
+
+    def _allocate(self, n: int) -> list[int]:
+        while not self.allocator.can_allocate(n) and self.radix.num_evictable:
+            self.radix.evict(n - self.allocator.num_free)
+        return self.allocator.allocate(n)
+
+    def import_kv(self, seq_id: str, run: KVRun) -> None:
+        """Write KV computed elsewhere; tokens this sequence already has are skipped."""
+        seq = self.seqs[seq_id]
+        have = seq.pages.num_tokens
+        if run.start > have:
+            raise KVImportError(f"KV for {seq_id} starts at token {run.start} but only {have} are present")
+        if run.end > seq.num_tokens:
+            raise KVImportError(f"KV for {seq_id} runs to token {run.end} past its {seq.num_tokens} known tokens")
+        if run.end <= have:
+            return
+        skip = have - run.start
+        tail = dataclasses.replace(run, start=have, k=run.k[:, skip:], v=run.v[:, skip:])
+        self.pool = import_run(self.pool, tail, seq.pages.pages, self.fingerprint)
+        seq.pages.num_tokens = run.end
+
+    def append_tokens(self, seq_id: str, start_pos: int, tokens: list[int]) -> None:
+        """Output tokens produced elsewhere (RLD -> MD handoff), at output positions start_pos..."""
+        self.seqs[seq_id].append_known(start_pos, tokens)
+
+    # ---- the step --------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return any(s.num_pending for s in self.seqs.values())
+
+    def step(self, return_logits: bool = False):
+        """Run one packed step over all sequences with pending tokens -> list[TokenEvent]
+        (plus {seq_id: logits [V]} when return_logits)."""
+        rows, budget = [], self.config.max_step_tokens
+        for seq in sorted((s for s in self.seqs.values() if s.num_pending), key=lambda s: s.num_pending):
+            if len(rows) == self.config.max_rows or budget == 0:
+                break
+            n = min(seq.num_pending, budget)
+            rows.append((seq, n))
+            budget -= n
+        if not rows:
+            return ([], {}) if return_logits else []
+        batch, sample_rows, greedy = self._build(rows)
+        sp = self._sampling_arrays(rows, len(batch.kv_lens))
+        tokens, logits, self.pool = run_step(
+            self.weights, self.cfg, batch, self.pool, *sp, max_q_len=buckets.q_len_bucket(max(n for _, n in rows)),
+            impl=self.config.attention, greedy=greedy, return_logits=return_logits)
+        self.num_steps += 1
+        tokens = np.asarray(tokens)
+        events, row_logits = [], {}
+        for r, (seq, n) in enumerate(rows):
+            seq.pages.num_tokens += n
+            if not sample_rows[r]:
+                continue
+            pos = len(seq.generated)
+            seq.record(int(tokens[r]))
+            events.append(TokenEvent(seq.seq_id, pos, int(tokens[r]), seq.finish_reason))
+            if return_logits:
+                row_logits[seq.seq_id] = np.asarray(logits[r])
+            if seq.finish_reason and not seq.hold_on_finish:
+                self.release(seq.seq_id)
+        return (events, row_logits) if return_logits else events
+
+    def _build(self, rows):
+        S = self.config.page_size
+        total = sum(n for _, n in rows)
+        T, B = buckets.token_bucket(total), buckets.row_bucket(len(rows))
+        MP = buckets.pages_bucket(max(pages_needed(s.pages.num_tokens + n, S) for s, n in rows))
+        tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
+        slot_pages, slot_offsets = np.full(T, NULL_PAGE, np.int32), np.zeros(T, np.int32)
+        cu, kv_lens = np.zeros(B + 1, np.int32), np.zeros(B, np.int32)
+        tables, last_idx = np.zeros((B, MP), np.int32), np.zeros(B, np.int32)
+        sample_rows, off = [], 0
+        for r, (seq, n) in enumerate(rows):
+            start = seq.pages.num_tokens
+            pos = np.arange(start, start + n)
+            tokens[off:off + n] = [seq.token_at(p) for p in pos]
+            positions[off:off + n] = pos
+            slots = seq.pages.slots(pos)  # [n, 2]
+            slot_pages[off:off + n], slot_offsets[off:off + n] = slots[:, 0], slots[:, 1]
+            kv_lens[r] = start + n
+            used = seq.pages.pages[: pages_needed(start + n, S)]
+            tables[r, : len(used)] = used
+            last_idx[r] = off + n - 1
+            sample_rows.append(start + n == seq.num_tokens)
+            off += n
+            cu[r + 1] = off
+        cu[len(rows) + 1:] = off
+        greedy = all(seq.params.temperature <= 0 for (seq, _), s in zip(rows, sample_rows) if s)
+        batch = PackedBatch(*(jnp.asarray(a) for a in (tokens, positions, slot_pages, slot_offsets, cu, kv_lens,
+                                                       tables, last_idx)))
+        return batch, sample_rows, greedy
+
+    @staticmethod
+    def _sampling_arrays(rows, B):
+        seeds, steps, topk = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+        temp, topp = np.zeros(B, np.float32), np.ones(B, np.float32)
+        for r, (seq, _) in enumerate(rows):
+            p = seq.params
+            seeds[r], steps[r], topk[r], temp[r], topp[r] = p.seed, len(seq.generated), p.top_k, p.temperature, p.top_p
+        return tuple(jnp.asarray(a) for a in (seeds, steps, temp, topk, topp))
+
+    # ---- KV out, release -------------------------------------------------------------
+    def export_kv(self, seq_id: str, start: int = 0, end: int | None = None) -> KVRun:
+        """Canonical KV of tokens [start, end) (default: all computed tokens)."""
+        seq = self.seqs[seq_id]
+        end = seq.pages.num_tokens if end is None else end
+        if not 0 <= start <= end <= seq.pages.num_tokens:
+            raise ValueError(f"cannot export tokens [{start}, {end}) of {seq_id}: {seq.pages.num_tokens} computed")
+        return export_run(self.pool, seq.pages.pages, start, end, self.fingerprint)
+
+    def release(self, seq_id: str, cache: bool = True) -> None:
+        """Drop a sequence; its computed full pages go into the prefix cache first (if on)."""
+        seq = self.seqs.pop(seq_id)
+        if cache and self.config.prefix_cache:
+            done = seq.pages.num_tokens // self.config.page_size * self.config.page_size
+            if done:
+                self.radix.insert(seq.all_tokens()[:done], seq.pages.pages)
+        if seq.prefix_node is not None:
+            self.radix.unlock(seq.prefix_node)
+        self.allocator.decref(seq.pages.pages)
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+        self.radix.check_integrity()
+        owners: dict[int, int] = {}
+        for s in self.seqs.values():
+            s.pages.check_integrity()
+            assert s.pages.num_tokens <= s.num_tokens, f"{s.seq_id}: more KV than tokens"
+            for p in s.pages.pages:
+                owners[p] = owners.get(p, 0) + 1
+        for p, n in owners.items():
+            assert self.allocator.refcount(p) >= n, f"page {p} has fewer refs than holders"
+        cached = self.radix.cached_pages()
+        expected_used = set(owners) | cached
+        assert self.allocator.num_used == len(expected_used), "pages leaked: used pages with no holder"

@@ -1,0 +1,75 @@
+"""A running sequence's host-side state (no jax).
+
+tokens = prompt + generated; KV exists for tokens[:pages.num_tokens]; the rest is pending and
+goes into the next step as one row (prefill chunk, extend, or single-token decode). Output
+position t is generated[t]: the first token (sampled after the prompt) is position 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pddjax.kv.page_table import SequencePages
+from pddjax.model.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Sequence:
+    seq_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int]
+    pages: SequencePages
+    generated: list[int] = dataclasses.field(default_factory=list)
+    prefix_node: object | None = None  # locked radix path of the cached prefix
+    hold_on_finish: bool = False  # keep pages after finishing (P holds KV until exported)
+    finish_reason: str | None = None  # "stop" | "length" once finished
+    num_sampled_here: int = 0  # tokens this engine sampled (vs. appended from elsewhere)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[pos] if pos < n else self.generated[pos - n]
+
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV is not computed yet (0 once finished: the last sample is never fed back)."""
+        return 0 if self.finish_reason else self.num_tokens - self.pages.num_tokens
+
+    def record(self, token: int) -> None:
+        """A token sampled by this engine at output position len(generated)."""
+        self.generated.append(token)
+        self.num_sampled_here += 1
+        self._check_finished()
+
+    def append_known(self, start_pos: int, tokens: list[int]) -> None:
+        """Tokens produced elsewhere (RLD handoff) at output positions start_pos...
+
+        Overlap with tokens already here must agree (same seed, same position, same token)."""
+        if start_pos > len(self.generated):
+            raise ValueError(f"handoff for {self.seq_id} starts at output position {start_pos} "
+                             f"but only {len(self.generated)} tokens are known")
+        for i, t in enumerate(tokens):
+            p = start_pos + i
+            if p < len(self.generated):
+                if self.generated[p] != t:
+                    raise ValueError(f"handoff for {self.seq_id} disagrees at output position {p}: "
+                                     f"{t} vs {self.generated[p]}")
+            else:
+                self.generated.append(t)
+                if self._check_finished():
+                    return
+
+    def _check_finished(self) -> bool:
+        if self.generated and self.generated[-1] in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.generated) >= self.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None

@@ -1,0 +1,55 @@
+"""Forward pass over the paged KV pool, for packed ragged batches.
+
+One step serves every kind of row at once: prefill (a prompt, or a chunk of it, after a cached
+prefix), multi-token extend (known token IDs, e.g. the RLD handoff) and single-token decode.
+Each row's new tokens are written into its pages, then attend causally to everything before
+them. Letters: T packed tokens, B rows, MP pages per row, L layers, K kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from pddjax.kv.pool import KVPool
+from pddjax.model import layers as nn
+from pddjax.model.attention import paged_attention
+from pddjax.model.config import ModelConfig
+from pddjax.model.weights import Weights
+
+
+@flax.struct.dataclass
+class PackedBatch:
+    tokens: jax.Array  # [T] int32 token ids (padding: 0)
+    positions: jax.Array  # [T] int32 absolute position of each token in its sequence
+    slot_pages: jax.Array  # [T] int32 page receiving each token's K/V (padding: page 0)
+    slot_offsets: jax.Array  # [T] int32 offset within that page
+    cu_q_lens: jax.Array  # [B+1] int32 row r owns tokens cu[r]:cu[r+1]
+    kv_lens: jax.Array  # [B] int32 KV length of row r including its new tokens
+    page_tables: jax.Array  # [B, MP] int32 (padding: page 0)
+    last_idx: jax.Array  # [B] int32 packed index of row r's last token (padding rows: 0)
+
+
+def forward_paged(w: Weights, cfg: ModelConfig, batch: PackedBatch, pool: KVPool, *,
+                  max_q_len: int, impl: str = "xla"):
+    """-> (logits [B, V] float32 at each row's last token, pool with the new tokens' K/V)."""
+    h = nn.embed(w, batch.tokens)  # [T, E]
+    sm_scale = cfg.head_dim**-0.5
+
+    def layer_step(carry, xs):
+        h, kp, vp = carry  # kp, vp: [L, K, P, S, D]
+        layer, i = xs
+        q, k, v = nn.qkv(layer, h, batch.positions, cfg)  # [T, H, D], [T, K, D], [T, K, D]
+        # x[i, :, pages, offsets] puts the token axis first: value [T, K, D]
+        kp = kp.at[i, :, batch.slot_pages, batch.slot_offsets].set(k.astype(kp.dtype))
+        vp = vp.at[i, :, batch.slot_pages, batch.slot_offsets].set(v.astype(vp.dtype))
+        o = paged_attention(q, kp[i], vp[i], batch.cu_q_lens, batch.kv_lens, batch.page_tables,
+                            max_q_len=max_q_len, sm_scale=sm_scale, impl=impl)  # [T, H, D]
+        h = nn.attn_out(layer, h, o)
+        h = nn.mlp(layer, h, cfg)
+        return (h, kp, vp), None
+
+    (h, kp, vp), _ = jax.lax.scan(layer_step, (h, pool.k, pool.v), (w.layers, jnp.arange(cfg.num_layers)))
+    logits = nn.logits(w, h[batch.last_idx], cfg)  # [B, V]
+    return logits, KVPool(kp, vp)

@@ -1,0 +1,157 @@
+"""The simulated deployment: pools, lines, the router, and each request's life.
+
+A request's life (PDD mode):
+1. send: the turn is sent (turn 0 at its arrival, later turns think_s after the previous
+   turn's last token). The router picks the P instance with the earliest predicted finish
+   (queue + prefill given its cache hit) and the MD instance with the best DRC hit among the
+   not-overloaded ones, and pins that DRC entry so the hit cannot be evicted meanwhile.
+2. prefill: P computes the tokens its cache lacks (`prefill.py`).
+3. route (`route.py`): KV delta for MD = prompt - DRC hit. If the WAN is predicted to deliver
+   it within `rld_threshold_s`: P-MD. Otherwise dual path P-RLD-MD (full KV to RLD over RDMA,
+   delta to MD over the WAN), or P-RLD when RLD would finish before the KV lands (singular
+   filter) or when the drift experiment makes P-RLD a normal path.
+4. decode on RLD / MD (`decode.py`), handoff by token ids (`handoff.py`).
+5. finish: MD caches prompt + output in its DRC; the session's next turn is scheduled.
+"""
+
+from __future__ import annotations
+
+from pddjax.sim.cache import PrefixCache
+from pddjax.sim.config import ClusterConfig
+from pddjax.sim.decode import DecodeInstance, Seq
+from pddjax.sim.events import EventLoop, SimError
+from pddjax.sim.handoff import Handoff
+from pddjax.sim.lineage import Lineage
+from pddjax.sim.prefill import PrefillInstance
+from pddjax.sim.request import SimRequest
+from pddjax.sim.route import Router
+from pddjax.sim.wan import Line, fast_link
+from pddjax.workload.trace import TraceRequest
+
+
+def max_batch_for(perf, ctx: float, tpot_s: float, cap: int = 4096) -> int:
+    """Largest batch whose decode step at mean context `ctx` fits `tpot_s` (at least 1)."""
+    lo, hi = 1, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if perf.step_s(mid, mid * ctx) <= tpot_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Cluster:
+    """Build with a config and a trace, then `run()`; finished requests are in `done`."""
+
+    def __init__(self, cfg: ClusterConfig, trace: list[TraceRequest]):
+        if not trace:
+            raise ValueError("empty trace")
+        self.cfg, self.loop, self.lineage = cfg, EventLoop(), Lineage()
+        self.kvb = cfg.p.perf.kv_bytes_per_token
+        ctx = sum(r.prompt_tokens + r.output_tokens / 2 for r in trace) / len(trace)
+        self.P = [PrefillInstance(self.loop, f"p{i}", cfg.p.perf, self.lineage, self._prefilled)
+                  for i in range(cfg.p.count)]
+        self.fast = [fast_link(self.loop, cfg.fast_gbps, cfg.fast_latency_s) for _ in self.P]
+        mb = max_batch_for(cfg.d.perf, ctx, cfg.tpot_target_s)
+        self.D = [DecodeInstance(self.loop, f"d{i}", cfg.d.perf, PrefixCache(cfg.d.perf.kv_capacity_tokens),
+                                 mb, cfg.batch_extend) for i in range(cfg.d.count)]
+        self.R: list[DecodeInstance] = []
+        if cfg.mode == "pdd":
+            rb = max_batch_for(cfg.rld.perf, ctx, cfg.tpot_target_s)
+            self.R = [DecodeInstance(self.loop, f"rld{i}", cfg.rld.perf, PrefixCache(cfg.rld.perf.kv_capacity_tokens),
+                                     rb, True) for i in range(cfg.rld.count)]
+        remote = cfg.mode != "pd-local"
+        self.wan = Line(self.loop, cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s, cfg.wan_sharing, cfg.seed)
+        self.back = Line(self.loop, cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s, "fair", cfg.seed + 1)
+        self.user_lag = cfg.wan_latency_s if remote else 0.0  # tokens from B reach users in A later
+        self.router = Router(self)
+        self.handoff = Handoff(self)
+        self.done: list[SimRequest] = []
+        self.sessions: dict[int, list[TraceRequest]] = {}
+        for r in trace:
+            self.sessions.setdefault(r.session_id, []).append(r)
+        for turns in self.sessions.values():
+            turns.sort(key=lambda r: r.turn)
+            if [r.turn for r in turns] != list(range(len(turns))):
+                raise ValueError(f"session {turns[0].session_id}: turns are not 0..n-1")
+        self.n_requests = len(trace)
+
+    # ---- driving ---------------------------------------------------------------------
+    def run(self) -> list[SimRequest]:
+        for turns in self.sessions.values():
+            self.loop.at(turns[0].arrival_s, self._send, turns[0])
+        self.loop.run()
+        if len(self.done) != self.n_requests:
+            raise SimError(f"{self.n_requests - len(self.done)} requests never finished")
+        return self.done
+
+    def _send(self, tr: TraceRequest) -> None:
+        req = SimRequest(tr)
+        req.arrival = self.loop.now
+        self.lineage.add(req.sid, req.turn, req.prefix)
+        self.router.admit(req)
+
+    def _prefilled(self, req: SimRequest) -> None:
+        self.router.route(req)
+
+    def complete(self, req: SimRequest) -> None:
+        """A request's last token reached the user: record it and send the next turn."""
+        if req.done:
+            raise SimError(f"{req.rid} completed twice")
+        req.done = True
+        self.done.append(req)
+        turns = self.sessions[req.sid]
+        if req.turn + 1 < len(turns):
+            nxt = turns[req.turn + 1]
+            self.loop.at(max(nxt.arrival_s, req.finish + nxt.think_s), self._send, nxt)
+
+    # ---- decode-side helpers used by the router and the handoff ----------------------
+    def direct_seq(self, req: SimRequest, inst: DecodeInstance, in_b: bool, pinned: int = 0) -> Seq:
+        """A sequence that decodes from its first step on `inst` and finishes the request there."""
+        lag = self.user_lag if in_b else 0.0
+        seq = Seq(req, req.prompt + req.output - pinned, req.prompt, req.output - 1, True,
+                  on_admit=lambda s: self._first_token(req, lag),
+                  on_finish=lambda s: self.finish_on(req, inst, lag))
+        seq.reserved = pinned
+        self._check_fits(seq, inst)
+        return seq
+
+    def _first_token(self, req: SimRequest, lag: float) -> None:
+        req.first_token = self.loop.now + lag
+
+    def finish_on(self, req: SimRequest, inst: DecodeInstance, lag: float) -> None:
+        """Last token emitted on `inst`: cache it in the DRC if this is a decode-pool instance."""
+        req.finish = self.loop.now + lag
+        if inst in self.D:
+            req.md_tokens = req.output - req.rld_tokens
+            self.cache_on_md(req, inst, req.prompt + req.output)
+        else:
+            req.rld_tokens = req.output
+        self.complete(req)
+
+    def cache_on_md(self, req: SimRequest, inst: DecodeInstance, tokens: int) -> None:
+        if not self.cfg.drc:
+            return
+        inst.cache.insert(("s", req.sid), tokens, req.turn)
+        if req.turn == 0:
+            old = inst.cache.get(("d", req.doc))
+            if old is None or old.tokens < req.prefix:
+                inst.cache.insert(("d", req.doc), req.prefix, -1)
+
+    def unpin(self, req: SimRequest) -> None:
+        """Give a pinned DRC entry back to MD's cache (the request will not use it)."""
+        if req.md_pinned:
+            req.md_inst.cache.release(req.md_pinned)
+            req.md_inst.cache.insert(("s", req.sid), req.md_pinned, req.md_pinned_turn)
+            req.md_pinned = 0
+
+    @staticmethod
+    def _check_fits(seq: Seq, inst: DecodeInstance) -> None:
+        if seq.need + seq.reserved > inst.cache.capacity:
+            raise SimError(f"{seq.req.rid} needs {seq.need + seq.reserved} KV tokens; {inst.name} holds "
+                           f"{inst.cache.capacity}")
+
+    def check_integrity(self) -> None:
+        for inst in [*self.P, *self.D, *self.R]:
+            inst.check_integrity()

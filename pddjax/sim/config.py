@@ -1,0 +1,95 @@
+"""What to simulate: the deployment (pools, line, policy) and the SLA it is judged by.
+
+Modes:
+- "pdd":      P and RLD in datacenter A, MD in datacenter B, joined by the WAN line; the
+              router sends high-hit requests P-MD and low-hit ones P-RLD-MD (or P-RLD for
+              singular requests, or for every low-hit request when `rld_normal_path`).
+- "pd-cross": P in A, D (= MD) in B; every request P-MD over the WAN (no relay).
+- "pd-local": P and D both in A over RDMA (the same-datacenter PD baseline).
+The `d` pool is MD for "pdd"/"pd-cross" and the local D pool for "pd-local". Users connect
+to datacenter A, so tokens decoded in B reach them one WAN latency later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+MODES = ("pdd", "pd-cross", "pd-local")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """`count` identical instances with timing model `perf` (RooflineInstance / MeasuredInstance)."""
+
+    perf: object
+    count: int
+
+    @property
+    def cost_per_hour(self) -> float:
+        return self.count * self.perf.cost_per_hour
+
+    @property
+    def chips(self) -> int:
+        return self.count * self.perf.chips
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    mode: str
+    p: Pool
+    d: Pool
+    rld: Pool | None = None
+    wan_gbps: float = 25.0
+    wan_latency_s: float = 0.005  # one-way
+    wan_jitter_s: float = 0.002  # mean of the exponential extra delay
+    wan_sharing: str = "fair"  # "fair" (processor sharing) or "fifo"
+    fast_gbps: float = 400.0  # intra-datacenter RDMA per sending instance
+    fast_latency_s: float = 10e-6
+    handoff: str = "chunked"  # "chunked" (extend-decode handoff) or "oneshot"
+    chunk_threshold: int = 64
+    batch_extend: bool = True  # extend chunks ride in decode steps (False: passes of their own)
+    rld_threshold_s: float = 0.5  # use RLD when the KV is predicted to reach MD later than this
+    singular_filter: bool = True  # finish on RLD if it would be done before the KV reaches MD
+    rld_normal_path: bool = False  # drift experiment: low-hit requests end on RLD (P-RLD)
+    drc: bool = True  # decode side keeps a prefix cache (DRC)
+    tpot_target_s: float = 0.05  # decode batch is capped so a step fits this
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        if self.mode == "pdd" and (self.rld is None or self.rld.count < 1):
+            raise ValueError("pdd needs at least one RLD instance")
+        if self.p.count < 1 or self.d.count < 1:
+            raise ValueError("need at least one P and one decode instance")
+        if self.handoff not in ("chunked", "oneshot"):
+            raise ValueError("handoff must be chunked or oneshot")
+
+    @property
+    def cost_per_hour(self) -> float:
+        rld = self.rld.cost_per_hour if (self.rld and self.mode == "pdd") else 0.0
+        return self.p.cost_per_hour + self.d.cost_per_hour + rld
+
+    def describe(self) -> dict:
+        """JSON-friendly summary of the deployment."""
+        def pool(p: Pool | None):
+            return None if p is None else {"count": p.count, "instance": p.perf.name, "chips": p.chips}
+        return {
+            "mode": self.mode, "P": pool(self.p), "D" if self.mode == "pd-local" else "MD": pool(self.d),
+            "RLD": pool(self.rld) if self.mode == "pdd" else None, "wan_gbps": self.wan_gbps,
+            "cost_per_hour": round(self.cost_per_hour, 3),
+        }
+
+    def replace(self, **kw) -> "ClusterConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class Sla:
+    """A request meets the SLA if TTFT <= ttft_s and TPOT <= tpot_s; a load meets it if at
+    least `attain` of the measured requests do."""
+
+    ttft_s: float = 5.0
+    tpot_s: float = 0.1
+    attain: float = 0.9

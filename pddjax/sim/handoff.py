@@ -1,0 +1,121 @@
+"""P-RLD-MD: dual-path send, RLD eager decode, and the token-id handoff to MD.
+
+1. P sends the full KV to RLD over RDMA and the delta MD lacks over the WAN, at once.
+2. RLD decodes as soon as its KV lands (the user's first token comes from here).
+3. When MD holds the KV (and has admitted the sequence), it tells RLD ("ready", B -> A).
+4. RLD looks at its pending tokens (generated but not yet handed over):
+   - one-shot, or pending <= chunk_threshold: send all pending ids, release RLD at once;
+   - chunked and pending > threshold: send them as a chunk and keep decoding; MD runs an
+     extend-decode pass over the chunk and acks (B -> A); RLD then sends what it produced
+     meanwhile, and so on until a chunk is small enough to be the last.
+5. MD's extend pass over the last chunk yields the next token; MD decodes the rest.
+If RLD emits the whole output before the handoff completes (a singular request the filter
+did not predict), the request finishes on RLD and the WAN transfer is cancelled. Token ids
+cost 4 bytes each on the wire, counted in `id_bytes`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pddjax.sim.decode import DecodeInstance, Seq
+from pddjax.sim.request import SimRequest
+
+if TYPE_CHECKING:
+    from pddjax.sim.cluster import Cluster
+
+ID_BYTES = 4
+
+
+class Handoff:
+    def __init__(self, cluster: "Cluster"):
+        self.c = cluster
+        self.id_bytes = 0
+        self.cancelled_transfers = 0
+
+    def start(self, req: SimRequest, rld: DecodeInstance, link, nbytes: float) -> None:
+        """Dual-path send for a P-RLD-MD request."""
+        c = self.c
+        req.rld_inst = rld
+        req.rld_seq = Seq(req, req.prompt + req.output, req.prompt, req.output - 1, True,
+                          on_admit=lambda s: setattr(req, "first_token", c.loop.now),
+                          on_finish=lambda s: self._rld_finished(req))
+        link.send(req.prompt * c.kvb, lambda: rld.enqueue(req.rld_seq))
+        md = req.md_inst
+        req.md_seq = Seq(req, req.prompt + req.output - req.md_pinned, req.prompt, 0, False,
+                         on_admit=lambda s: c.back.message(lambda: self._step(req)),
+                         on_finish=lambda s: c.finish_on(req, md, c.user_lag))
+        req.md_seq.reserved = req.md_pinned
+        req.wan_bytes = nbytes
+        req.transfer = c.wan.send(nbytes, lambda: self._kv_at_md(req))
+
+    def _kv_at_md(self, req: SimRequest) -> None:
+        if req.done:
+            return
+        req.kv_at_md = True
+        req.md_inst.enqueue(req.md_seq)
+
+    def _step(self, req: SimRequest) -> None:
+        """RLD side: MD is ready for (more) tokens."""
+        c, cfg = self.c, self.c.cfg
+        rld, seq = req.rld_inst, req.rld_seq
+        if req.done or seq.state == "done":
+            return
+        if req.handoff_start < 0:
+            req.handoff_start = c.loop.now
+        pending = rld.progress(seq) - req.handed
+        final = cfg.handoff == "oneshot" or pending <= cfg.chunk_threshold
+        if final:
+            emitted = rld.remove(seq)
+            if emitted >= req.output:  # RLD already produced everything
+                self._rld_finished(req, emitted)
+                return
+            pending = emitted - req.handed
+            req.rld_tokens = emitted
+        ctx = req.prompt + req.handed
+        req.handed += pending
+        req.chunks += 1
+        self.id_bytes += ID_BYTES * pending
+        c.wan.message(lambda: self._extend(req, pending, ctx, final))
+
+    def _extend(self, req: SimRequest, k: int, ctx: int, final: bool) -> None:
+        """MD side: the chunk's ids arrived."""
+        c = self.c
+        if req.done or req.md_seq.state == "done":
+            return
+        if final:
+            done = lambda: self._take_over(req)
+        else:
+            done = lambda: c.back.message(lambda: self._step(req))
+        if k == 0:
+            done()
+        else:
+            req.md_inst.extend(req.md_seq, k, ctx, done)
+
+    def _take_over(self, req: SimRequest) -> None:
+        """MD's pass over the last chunk produced token handed+1; MD decodes the rest."""
+        if req.done or req.md_seq.state == "done":
+            return
+        req.handoff_end = self.c.loop.now
+        remaining = req.output - req.handed - 1
+        req.md_inst.start_decoding(req.md_seq, req.handed + 1, remaining, req.prompt + req.handed + 1)
+
+    def _rld_finished(self, req: SimRequest, emitted: int | None = None) -> None:
+        """RLD emitted the last token before MD took over: finish here, cancel the WAN side."""
+        c = self.c
+        req.finish = c.loop.now
+        req.rld_tokens, req.md_tokens = req.output, 0
+        req.pipeline = "P-RLD*"  # dual path started, finished on RLD
+        md, mseq = req.md_inst, req.md_seq
+        if req.transfer is not None and not req.transfer.done:
+            c.wan.cancel(req.transfer)
+            req.wan_bytes = req.transfer.sent
+            self.cancelled_transfers += 1
+        if mseq.state in ("waiting", "admitted", "running"):
+            md.remove(mseq)
+        elif mseq.state == "new" and mseq.reserved:  # KV never arrived: give the pin back
+            mseq.reserved = 0
+            c.unpin(req)
+        if req.kv_at_md:
+            c.cache_on_md(req, md, req.prompt)
+        c.complete(req)
