@@ -1,0 +1,107 @@
+"""Throughput: a quick analytic bound per pool, and the SLA-meeting rate found by simulation.
+
+Analytic bound (used to rank candidate deployments and to bracket the search), requests/s:
+- P:   n_P / mean prefill seconds, each request prefilling (prompt - P hit) tokens, where
+       P's hit is the trace prefix minus the previous output (P never caches outputs);
+- D:   n_D * B / (step_s(B, B * ctx) * mean output), B = min(TPOT-capped batch, KV capacity
+       / (prompt + output)), ctx = mean prompt + output / 2;
+- WAN: line bytes/s / mean KV delta bytes, delta = new tokens (DRC holds the rest);
+- RLD: not a bound (it decodes a small share; the simulation judges it).
+The bound is optimistic (no queueing, perfect cache); the simulation decides.
+
+SLA-meeting rate: the largest offered request rate whose simulation meets the SLA, by
+bisection between 0.4x and 1.1x the analytic bound, for a fixed number of steps. Each probe
+regenerates the workload at that rate with the same seed: the same sessions, their start
+times scaled (common random numbers), so probes differ only in load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pddjax.sim.cluster import max_batch_for
+from pddjax.sim.config import ClusterConfig, Sla
+from pddjax.sim.runner import simulate
+from pddjax.workload.config import WorkloadConfig
+from pddjax.workload.generator import generate
+from pddjax.workload.trace import TraceRequest
+
+
+@dataclass(frozen=True)
+class TraceStats:
+    prompt: float  # mean prompt tokens
+    output: float  # mean output tokens
+    new: float  # mean tokens MD lacks (new_tokens)
+    prefill_pairs: list[tuple[int, int]]  # (new, cached) per request as P sees it
+
+    @classmethod
+    def of(cls, trace: list[TraceRequest]) -> "TraceStats":
+        prev_out: dict[tuple[int, int], int] = {(r.session_id, r.turn): r.output_tokens for r in trace}
+        pairs = []
+        for r in trace:
+            lost = prev_out.get((r.session_id, r.turn - 1), 0) if r.kind == "append" else 0
+            hit = max(0, min(r.prefix_tokens - lost, r.prompt_tokens - 1))
+            pairs.append((r.prompt_tokens - hit, hit))
+        n = len(trace)
+        return cls(
+            prompt=sum(r.prompt_tokens for r in trace) / n, output=sum(r.output_tokens for r in trace) / n,
+            new=sum(r.new_tokens for r in trace) / n, prefill_pairs=pairs,
+        )
+
+
+def bounds(cfg: ClusterConfig, st: TraceStats) -> dict[str, float]:
+    """Analytic requests/s bound of each pool (see module docstring)."""
+    p = cfg.p.perf
+    step = 64  # sample every 64th request: plenty for a mean
+    sample = st.prefill_pairs[::max(1, len(st.prefill_pairs) // step)] or [(1, 0)]
+    mean_prefill = sum(p.prefill_s(n, c) for n, c in sample) / len(sample)
+    ctx = st.prompt + st.output / 2
+    d = cfg.d.perf
+    b = min(max_batch_for(d, ctx, cfg.tpot_target_s), int(d.kv_capacity_tokens // (st.prompt + st.output)))
+    b = max(1, b)
+    out = {
+        "P": cfg.p.count / mean_prefill,
+        "D": cfg.d.count * b / (d.step_s(b, b * ctx) * st.output),
+    }
+    if cfg.mode != "pd-local":
+        out["WAN"] = cfg.wan_gbps * 1e9 / 8 / max(1.0, st.new * d.kv_bytes_per_token)
+    return out
+
+
+def analytic_rps(cfg: ClusterConfig, st: TraceStats) -> float:
+    return min(bounds(cfg, st).values())
+
+
+def meets(cfg: ClusterConfig, wl: WorkloadConfig, rps: float, sla: Sla) -> tuple[bool, dict]:
+    """Simulate `wl` at `rps` requests/s on `cfg`; (SLA met?, summary)."""
+    s = simulate(cfg, generate(wl.with_request_rate(rps)), sla)
+    return bool(s["sla_met"]), s
+
+
+def sla_rps(cfg: ClusterConfig, wl: WorkloadConfig, sla: Sla, steps: int = 5,
+            upper: float | None = None, floor: float = 0.4) -> tuple[float, dict | None]:
+    """Largest offered rate (req/s, nominal) meeting the SLA; (rate, its summary).
+
+    Bisection on [floor * upper, upper] (upper defaults to 1.1x the analytic bound); if even
+    the floor fails, keep halving below it (at most `steps` more probes)."""
+    if upper is None:
+        upper = 1.1 * analytic_rps(cfg, TraceStats.of(generate(wl)))
+    ok, s = meets(cfg, wl, upper, sla)
+    if ok:
+        return upper, s
+    lo, hi, best, best_s = floor * upper, upper, 0.0, None
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        ok, s = meets(cfg, wl, mid, sla)
+        if ok:
+            lo, best, best_s = mid, mid, s
+        else:
+            hi = mid
+    if best_s is None:  # never passed: search below the floor
+        rate = floor * upper
+        for _ in range(steps):
+            ok, s = meets(cfg, wl, rate, sla)
+            if ok:
+                return rate, s
+            rate /= 2
+    return best, best_s
