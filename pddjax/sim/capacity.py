@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pddjax.sim.cluster import max_batch_for
 from pddjax.sim.config import ClusterConfig, Sla
-from pddjax.sim.runner import simulate
+from pddjax.sim.runner import simulate_workload
 from pddjax.workload.config import WorkloadConfig
 from pddjax.workload.generator import generate
 from pddjax.workload.trace import TraceRequest
@@ -74,27 +74,27 @@ def analytic_rps(cfg: ClusterConfig, st: TraceStats) -> float:
 
 def meets(cfg: ClusterConfig, wl: WorkloadConfig, rps: float, sla: Sla) -> tuple[bool, dict]:
     """Simulate `wl` at `rps` requests/s on `cfg`; (SLA met?, summary)."""
-    s = simulate(cfg, generate(wl.with_request_rate(rps)), sla)
+    s = simulate_workload(cfg, wl.with_request_rate(rps), sla)
     return bool(s["sla_met"]), s
 
 
 def sla_rps(cfg: ClusterConfig, wl: WorkloadConfig, sla: Sla, steps: int = 5,
             upper: float | None = None, floor: float = 0.4) -> tuple[float, dict | None]:
-    """Largest offered rate (req/s, nominal) meeting the SLA; (rate, its summary).
+    """Largest SLA-meeting throughput; (measured req/s of the best passing probe, its summary).
 
-    Bisection on [floor * upper, upper] (upper defaults to 1.1x the analytic bound); if even
-    the floor fails, keep halving below it (at most `steps` more probes)."""
+    Bisection of the offered rate on [floor * upper, upper] (upper defaults to 1.1x the
+    analytic bound); if even the floor fails, keep halving below it (at most `steps` more)."""
     if upper is None:
-        upper = 1.1 * analytic_rps(cfg, TraceStats.of(generate(wl)))
+        upper = 1.1 * analytic_rps(cfg, TraceStats.of(generate(wl, until=wl.duration_s)))
     ok, s = meets(cfg, wl, upper, sla)
     if ok:
-        return upper, s
+        return s["rps"], s
     lo, hi, best, best_s = floor * upper, upper, 0.0, None
     for _ in range(steps):
         mid = (lo + hi) / 2
         ok, s = meets(cfg, wl, mid, sla)
         if ok:
-            lo, best, best_s = mid, mid, s
+            lo, best, best_s = mid, s["rps"], s
         else:
             hi = mid
     if best_s is None:  # never passed: search below the floor
@@ -102,6 +102,6 @@ def sla_rps(cfg: ClusterConfig, wl: WorkloadConfig, sla: Sla, steps: int = 5,
         for _ in range(steps):
             ok, s = meets(cfg, wl, rate, sla)
             if ok:
-                return rate, s
+                return s["rps"], s
             rate /= 2
     return best, best_s

@@ -44,7 +44,7 @@ def max_batch_for(perf, ctx: float, tpot_s: float, cap: int = 4096) -> int:
 class Cluster:
     """Build with a config and a trace, then `run()`; finished requests are in `done`."""
 
-    def __init__(self, cfg: ClusterConfig, trace: list[TraceRequest]):
+    def __init__(self, cfg: ClusterConfig, trace: list[TraceRequest], horizon: float | None = None):
         if not trace:
             raise ValueError("empty trace")
         self.cfg, self.loop, self.lineage = cfg, EventLoop(), Lineage()
@@ -68,23 +68,54 @@ class Cluster:
         self.router = Router(self)
         self.handoff = Handoff(self)
         self.done: list[SimRequest] = []
+        # Requests sent after the horizon are not simulated (the measurement window ends there).
+        self.horizon = horizon if horizon is not None else max(r.arrival_s for r in trace if r.turn == 0)
         self.sessions: dict[int, list[TraceRequest]] = {}
         for r in trace:
             self.sessions.setdefault(r.session_id, []).append(r)
+        self.history = False
         for turns in self.sessions.values():
             turns.sort(key=lambda r: r.turn)
             if [r.turn for r in turns] != list(range(len(turns))):
                 raise ValueError(f"session {turns[0].session_id}: turns are not 0..n-1")
-        self.n_requests = len(trace)
+        self._warm(trace)
+        self.n_sent = 0
+
+    def _warm(self, trace: list[TraceRequest]) -> None:
+        """Load history (arrival_s < 0) into the caches, as if it had been served:
+        P[sid % n_P] holds the last history prompt, D[sid % n_D] prompt + output; docs warm
+        everywhere. Live sessions then start from their first turn at arrival_s >= 0."""
+        hist = sorted((r for r in trace if r.arrival_s < 0), key=lambda r: r.arrival_s)
+        self.history = bool(hist)
+        last: dict[int, TraceRequest] = {}
+        for r in hist:
+            self.lineage.add(r.session_id, r.turn, r.prefix_tokens)
+            last[r.session_id] = r
+        docs = {r.doc_id: r.doc_tokens for r in trace}
+        for inst in [*self.P, *self.D]:
+            for doc, n in docs.items():
+                inst.cache.insert(("d", doc), n, -1)
+        for sid, r in sorted(last.items(), key=lambda kv: kv[1].arrival_s):
+            self.P[sid % len(self.P)].cache.insert(("s", sid), r.prompt_tokens, r.turn)
+            if self.cfg.drc:
+                self.D[sid % len(self.D)].cache.insert(("s", sid), r.prompt_tokens + r.output_tokens, r.turn)
+        self._first_live = {sid: len([t for t in turns if t.arrival_s < 0]) for sid, turns in self.sessions.items()}
 
     # ---- driving ---------------------------------------------------------------------
     def run(self) -> list[SimRequest]:
-        for turns in self.sessions.values():
-            self.loop.at(turns[0].arrival_s, self._send, turns[0])
+        for sid, turns in self.sessions.items():
+            k = self._first_live[sid]
+            if k < len(turns):
+                self._schedule(turns[k], turns[k].arrival_s)
         self.loop.run()
-        if len(self.done) != self.n_requests:
-            raise SimError(f"{self.n_requests - len(self.done)} requests never finished")
+        if len(self.done) != self.n_sent:
+            raise SimError(f"{self.n_sent - len(self.done)} requests never finished")
         return self.done
+
+    def _schedule(self, tr: TraceRequest, t: float) -> None:
+        if t <= self.horizon:
+            self.n_sent += 1
+            self.loop.at(t, self._send, tr)
 
     def _send(self, tr: TraceRequest) -> None:
         req = SimRequest(tr)
@@ -104,7 +135,7 @@ class Cluster:
         turns = self.sessions[req.sid]
         if req.turn + 1 < len(turns):
             nxt = turns[req.turn + 1]
-            self.loop.at(max(nxt.arrival_s, req.finish + nxt.think_s), self._send, nxt)
+            self._schedule(nxt, max(nxt.arrival_s, req.finish + nxt.think_s))
 
     # ---- decode-side helpers used by the router and the handoff ----------------------
     def direct_seq(self, req: SimRequest, inst: DecodeInstance, in_b: bool, pinned: int = 0) -> Seq:

@@ -1,10 +1,11 @@
 """From finished requests to the figures the scenarios report.
 
-Measurement window: sessions start over [0, S] (S = last turn-0 arrival); load ramps up
-while the first sessions are still young and drains after S. We measure requests *sent* in
-[WARMUP * S, S], and the throughput is the number of such requests divided by the window
-length (the steady offered load). SLA attainment is the share of measured requests with
-TTFT <= sla.ttft_s and TPOT <= sla.tpot_s.
+Measurement window: the simulator sends requests over [0, H] (H = horizon, the end of the
+session-start window). Without history the load ramps up while the first sessions are
+young, so we measure requests *sent* in [0.3 H, H]; with history (sessions in progress at
+t=0, caches warm) only queues need filling, and we measure [0.1 H, H]. Throughput is the
+number of measured requests over the window length. SLA attainment is the share of measured
+requests with TTFT <= sla.ttft_s and TPOT <= sla.tpot_s.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import numpy as np
 from pddjax.sim.config import Sla
 from pddjax.sim.request import SimRequest
 
-WARMUP = 0.3
+WARMUP_COLD, WARMUP_WARM = 0.3, 0.1
 
 
-def window_of(reqs: list[SimRequest]) -> tuple[float, float]:
-    """Measurement window [start, end] of arrival times (see module docstring)."""
-    s = max((r.arrival for r in reqs if r.turn == 0), default=0.0)
-    return WARMUP * s, s
+def window_of(horizon: float, history: bool) -> tuple[float, float]:
+    """Measurement window [start, end] of send times (see module docstring)."""
+    return (WARMUP_WARM if history else WARMUP_COLD) * horizon, horizon
 
 
 def pct(xs, qs=(50, 90, 99)) -> dict:
@@ -33,11 +33,11 @@ def pct(xs, qs=(50, 90, 99)) -> dict:
     return out
 
 
-def summarize(reqs: list[SimRequest], sla: Sla, duration_hint: float | None = None) -> dict:
-    """Headline metrics of one run over its measurement window."""
-    w0, w1 = window_of(reqs)
+def summarize(reqs: list[SimRequest], sla: Sla, window: tuple[float, float]) -> dict:
+    """Headline metrics of the requests sent within `window`."""
+    w0, w1 = window
     meas = [r for r in reqs if w0 <= r.arrival <= w1] or reqs
-    span = (w1 - w0) if w1 > w0 else (duration_hint or 1.0)
+    span = max(w1 - w0, 1e-9)
     ttft = [r.ttft for r in meas]
     tpot = [r.tpot for r in meas if r.output > 1]
     ok = sum(r.ttft <= sla.ttft_s and r.tpot <= sla.tpot_s for r in meas)

@@ -46,7 +46,7 @@ class PlanResult:
 def best_split(base: ClusterConfig, total: int, wl: WorkloadConfig, sla: Sla, top: int = 2,
                steps: int = 5) -> PlanResult:
     """Best P:D split of `total` instances for `base`'s mode and instance types."""
-    st = TraceStats.of(generate(wl))
+    st = TraceStats.of(generate(wl, until=wl.duration_s))
     cands = [base.replace(p=Pool(base.p.perf, n), d=Pool(base.d.perf, total - n)) for n in range(1, total)]
     cands.sort(key=lambda c: -analytic_rps(c, st))
     best = PlanResult(None, 0.0, None)
@@ -69,7 +69,7 @@ def _pdd_candidates(base: ClusterConfig, max_p: int, max_d: int, max_rld: int, w
 def cheapest(base: ClusterConfig, rps: float, wl: WorkloadConfig, sla: Sla, wans: list[float],
              max_p: int = 24, max_d: int = 24, max_rld: int = 3, budget: int = 10) -> PlanResult:
     """Least-cost deployment of `base.mode` meeting `sla` at `rps`, then the narrowest line."""
-    st = TraceStats.of(generate(wl.with_request_rate(rps)))
+    st = TraceStats.of(generate(wl.with_request_rate(rps), until=wl.duration_s))
     widest = [max(wans)] if base.mode != "pd-local" else [base.wan_gbps]
     cands = [c for c in _pdd_candidates(base, max_p, max_d, max_rld, widest) if analytic_rps(c, st) >= rps]
     cands.sort(key=lambda c: (c.cost_per_hour, -analytic_rps(c, st)))

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from pddjax.sim.cluster import Cluster
 from pddjax.sim.config import ClusterConfig, Sla
-from pddjax.sim.metrics import hit_timeline, summarize
+from pddjax.sim.metrics import hit_timeline, summarize, window_of
+from pddjax.workload.config import WorkloadConfig
+from pddjax.workload.generator import generate
 from pddjax.workload.trace import TraceRequest
 
 
 def simulate(cfg: ClusterConfig, trace: list[TraceRequest], sla: Sla = Sla(),
-             timeline_bins: int = 0) -> dict:
-    """Simulate `trace` on `cfg`; the summary of `metrics.summarize` plus cost and pool stats."""
-    cl = Cluster(cfg, trace)
+             timeline_bins: int = 0, horizon: float | None = None) -> dict:
+    """Simulate `trace` on `cfg` (requests sent up to `horizon`; default: the last session
+    start); the summary of `metrics.summarize` plus cost and pool statistics."""
+    cl = Cluster(cfg, trace, horizon)
     reqs = cl.run()
     cl.check_integrity()
-    out = summarize(reqs, sla)
+    out = summarize(reqs, sla, window_of(cl.horizon, cl.history))
     end = cl.loop.now or 1.0
     out["cost_per_hour"] = cfg.cost_per_hour
     out["events"] = cl.loop.events_run
@@ -32,3 +35,9 @@ def simulate(cfg: ClusterConfig, trace: list[TraceRequest], sla: Sla = Sla(),
     if timeline_bins:
         out["timeline"] = hit_timeline(reqs, timeline_bins)
     return out
+
+
+def simulate_workload(cfg: ClusterConfig, wl: WorkloadConfig, sla: Sla = Sla(), timeline_bins: int = 0) -> dict:
+    """Generate `wl` (up to its duration) and simulate it on `cfg` with horizon = duration."""
+    trace = generate(wl, until=wl.duration_s)
+    return simulate(cfg, trace, sla, timeline_bins, horizon=wl.duration_s)

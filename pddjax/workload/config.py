@@ -58,6 +58,12 @@ class WorkloadConfig:
     output_max: int = 2048
     output_fixed: int | None = None  # if set, every turn emits exactly this many tokens
     think_mean_s: float = 2.0  # tool / user time between a turn's end and the next send
+    # Open-loop schedule: turn n+1's arrival_s = arrival_s(n) + nominal_ttft_s +
+    # output(n) * nominal_tpot_s + think. A system at least this fast sees exactly these times;
+    # a slower one sends think_s after the previous turn ends (closed loop) instead.
+    nominal_ttft_s: float = 1.0
+    nominal_tpot_s: float = 0.02
+    warm_start_s: float = 0.0  # sessions also start in [-warm_start_s, 0): turns before 0 are history
 
     def __post_init__(self):
         if self.duration_s <= 0 or self.session_rate <= 0:
@@ -87,10 +93,12 @@ class WorkloadConfig:
 
 
 PRESETS: dict[str, WorkloadConfig] = {
-    # The report's setting: 64K context, 1K output, ~90% mean hit.
+    # The report's setting: 64K context, 1K output, ~90% mean hit. Sessions already in progress
+    # at t=0 (warm start) so the simulated window is in steady state from the beginning.
     "paper": WorkloadConfig(
         context_tokens=65536, output_fixed=1024, turns_mean=4.0, think_mean_s=2.0,
-        duration_s=400.0, session_rate=1.0, n_docs=16,
+        duration_s=200.0, session_rate=1.0, n_docs=16, nominal_ttft_s=4.0, nominal_tpot_s=0.03,
+        warm_start_s=500.0,
     ),
     # Small enough for SmolLM2-135M on a CPU: 2K contexts, short heavy-tailed outputs.
     "quick": WorkloadConfig(

@@ -11,9 +11,13 @@ Request fields (all required except `kind`):
 - `request_id`     "s{session_id}-t{turn}"
 - `session_id`     session index; a session's turns share one context
 - `turn`           0-based turn index within the session
-- `arrival_s`      turn 0: send time. Turn n > 0: earliest send time (= previous arrival_s +
-                   think_s). Closed-loop replay (the default for the simulator and the
-                   benchmark) sends turn n at max(arrival_s, completion of turn n-1 + think_s).
+- `arrival_s`      turn 0: send time. Turn n > 0: scheduled send time, assuming the previous
+                   turn took its nominal latency. Replay (simulator and benchmark) sends turn n
+                   at max(arrival_s, last token of turn n-1 + think_s): open loop for a fast
+                   enough system, closed loop for a slower one. Negative arrival_s marks
+                   *history* (sessions already in progress at t=0, `warm_start_s`): the
+                   simulator loads those turns into its caches instead of serving them; a
+                   benchmark may replay them unmeasured to warm caches, or skip them.
 - `think_s`        tool / user time between turn n-1's last token and turn n's send (0 for turn 0)
 - `doc_id`, `doc_tokens`  the shared long context the session started from, and its length
 - `context_seed`   seeds the session's token ids (see `pddjax.workload.tokens`)

@@ -1,0 +1,143 @@
+"""`pddjax bench engine`: step latency of the paged engine by batch and by extend length.
+
+decode_ms[b]: one decode step with b sequences at ~256-token contexts; extend_ms[k]: one
+extend-decode step of k known tokens for one sequence at a ~256-token context (the RLD
+handoff); prefill_tokens_per_s: one 512-token prompt. Whole engine steps are timed (host
+batch building included). PDD's premise: extend_ms["64"] is close to decode_ms["1"].
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+
+from pddjax.errors import UserError
+
+CONTEXT = 256
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser("engine", help="decode / extend / prefill step latency of the paged engine")
+    p.add_argument("--model", default="smollm2-135m", help="tiny | smollm2-135m | PATH.gguf")
+    p.add_argument("--attention", choices=["xla", "pallas"], default=None, help="default: per backend")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--batches", default="1,8,16,32")
+    p.add_argument("--extends", default="1,16,64")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", help="write the figures to this file")
+    p.set_defaults(func=run)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return round(1e3 * statistics.median(times), 2)
+
+
+def run(args) -> int:
+    from pddjax.model.jax_setup import configure
+
+    configure()
+    import jax
+
+    from pddjax.engines.paged_engine import EngineConfig, PagedEngine
+    from pddjax.engines.step import compile_count
+    from pddjax.model.attention import default_impl
+    from pddjax.model.gguf_loader import GGUFError
+    from pddjax.model.registry import ModelNotFound, load_model
+    from pddjax.model.sampling import SamplingParams
+
+    try:
+        model = load_model(args.model)
+        batches = [int(x) for x in args.batches.split(",")]
+        extends = [int(x) for x in args.extends.split(",")]
+    except (ModelNotFound, GGUFError, ValueError) as e:
+        raise UserError(str(e)) from None
+    cfg = model.config
+    impl = args.attention or default_impl()
+    rng = np.random.default_rng(0)
+    steps_needed = 3 + args.repeats
+    decode_budget = max(batches) * CONTEXT // 512 + 2 * steps_needed + 4  # prefill steps decode too
+    per_seq = max(CONTEXT + decode_budget, CONTEXT + max(extends) + 2, 512 + 1)
+    pages = (max(batches) + 2) * (-(-per_seq // args.page_size))
+    ecfg = EngineConfig(dtype=args.dtype, page_size=args.page_size, num_pages=pages + 1, attention=impl,
+                        max_step_tokens=512, max_rows=max(max(batches), 1))
+    eng = PagedEngine(cfg, model.weights, model.fingerprint, ecfg)
+    greedy = SamplingParams()
+
+    def prompt(n):
+        return rng.integers(3, cfg.vocab_size, n).tolist()
+
+    def prefill_all(ids):
+        while eng.has_work() and any(not eng.seqs[i].generated for i in ids):
+            eng.step()
+
+    figures = {"model": cfg.name, "dtype": args.dtype, "attention": impl, "backend": jax.default_backend(),
+               "page_size": args.page_size, "context": CONTEXT, "decode_ms": {}, "extend_ms": {}}
+    timed = []  # closures to re-run after warm-up to count compiles
+    for b in batches:
+        ids = [f"d{b}-{i}" for i in range(b)]
+        for i in ids:
+            eng.add(i, prompt(CONTEXT), greedy, decode_budget, ())
+        prefill_all(ids)
+        eng.step()  # warm-up (compile) for this shape
+        figures["decode_ms"][str(b)] = _median_ms(eng.step, args.repeats)
+        timed.append(eng.step)
+        for i in ids:
+            eng.release(i, cache=False)
+    base = prompt(CONTEXT)  # extend rows sit on a cached 256-token context
+    for k in extends:
+        sid = f"e{k}"
+
+        def extend_step(sid=sid, k=k, cache=False):
+            seq = eng.add(sid, base, greedy, k + 2, ())
+            prefill_all([sid])  # computes the uncached tail and samples output position 0
+            seq.append_known(1, prompt(k - 1))  # k pending tokens: one extend row
+            t0 = time.perf_counter()
+            eng.step()
+            dt = time.perf_counter() - t0
+            eng.release(sid, cache=cache)
+            return dt
+
+        extend_step(cache=True)  # compile + fill the prefix cache
+        figures["extend_ms"][str(k)] = round(1e3 * statistics.median(extend_step() for _ in range(args.repeats)), 2)
+        timed.append(extend_step)
+    sid, n_pre = "prefill", min(512, cfg.max_context - 1)
+
+    def prefill_once():
+        eng.add(sid, prompt(n_pre), greedy, 1, (), hold_on_finish=True)
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        eng.release(sid, cache=False)
+        return dt
+
+    prefill_once()
+    figures["prefill_tokens"] = n_pre
+    figures["prefill_tokens_per_s"] = round(n_pre / statistics.median(prefill_once() for _ in range(3)), 1)
+    before = compile_count()
+    for b in batches:  # the same shapes again: nothing may compile
+        ids = [f"again{b}-{i}" for i in range(b)]
+        for i in ids:
+            eng.add(i, prompt(CONTEXT), greedy, decode_budget, ())
+        prefill_all(ids)
+        eng.step()
+        for i in ids:
+            eng.release(i, cache=False)
+    figures["compiles_after_warmup"] = compile_count() - before
+    d1, e64 = figures["decode_ms"].get("1"), figures["extend_ms"].get("64")
+    if d1 and e64:
+        figures["extend64_over_decode1"] = round(e64 / d1, 2)
+    eng.check_integrity()
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
