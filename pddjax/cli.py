@@ -18,6 +18,7 @@ _SUBCOMMAND_MODULES = [
     "pddjax.generate_cli",
     "pddjax.bench_cli",
     "pddjax.sim.cli",
+    "pddjax.serve_cli",
 ]
 
 

@@ -19,8 +19,12 @@ def row_bucket(n: int) -> int:  # B: rows per step
     return pow2_at_least(n, 4)
 
 
-def pages_bucket(n: int) -> int:  # MP: page-table width
-    return pow2_at_least(n, 4)
+def pages_bucket(n: int) -> int:
+    """MP: page-table width. Multiples of 8 up to 64, then powers of two: attention reads
+    MP * page_size slots per row, so a power-of-two bucket alone could nearly double it."""
+    if n <= 64:
+        return max(8, -(-n // 8) * 8)
+    return pow2_at_least(n, 64)
 
 
 def q_len_bucket(n: int) -> int:  # max tokens of any row in the step

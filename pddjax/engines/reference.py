@@ -46,8 +46,8 @@ def _sampling_arrays(p: SamplingParams, step: int):
 def _prefill(w, cfg: ModelConfig, tokens, length, cache, seeds, steps, temp, top_k, top_p, greedy=False):
     # tokens: [1, Tb] padded; length: [] valid tokens -> (first token [1], cache)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    logits, cache = forward_dense(w, cfg, tokens, positions, cache)  # [1, Tb, V]
-    last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, keepdims=True)  # [1, V]
+    logits, cache = forward_dense(w, cfg, tokens, positions, cache, last_only=(length - 1).reshape(1))
+    last = logits[:, 0]  # [1, V]
     return sample(last, seeds, steps, temp, top_k, top_p, greedy_only=greedy), last, cache
 
 

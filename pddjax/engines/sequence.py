@@ -26,6 +26,7 @@ class Sequence:
     hold_on_finish: bool = False  # keep pages after finishing (P holds KV until exported)
     finish_reason: str | None = None  # "stop" | "length" once finished
     num_sampled_here: int = 0  # tokens this engine sampled (vs. appended from elsewhere)
+    paused: bool = False  # not stepped while set (serving: KV or a handoff still in transit)
 
     @property
     def num_tokens(self) -> int:
@@ -41,7 +42,7 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         """Tokens whose KV is not computed yet (0 once finished: the last sample is never fed back)."""
-        return 0 if self.finish_reason else self.num_tokens - self.pages.num_tokens
+        return 0 if self.finish_reason or self.paused else self.num_tokens - self.pages.num_tokens
 
     def record(self, token: int) -> None:
         """A token sampled by this engine at output position len(generated)."""
@@ -66,6 +67,14 @@ class Sequence:
                 self.generated.append(t)
                 if self._check_finished():
                     return
+
+    def rollback(self, num_generated: int) -> None:
+        """Forget output tokens from position num_generated on (a handoff from another tier
+        disagrees with tokens sampled here); their KV is recomputed on the next step."""
+        if num_generated < len(self.generated):
+            self.generated = self.generated[:num_generated]
+            self.pages.num_tokens = min(self.pages.num_tokens, len(self.prompt) + num_generated)
+            self.finish_reason = None
 
     def _check_finished(self) -> bool:
         if self.generated and self.generated[-1] in self.stop_ids:

@@ -42,10 +42,11 @@ def dense_attention(q, k, v, q_pos, sm_scale: float):
     return o.reshape(B, T, H, D).astype(q.dtype)
 
 
-def forward_dense(w: Weights, cfg: ModelConfig, tokens, positions, cache: DenseKV):
+def forward_dense(w: Weights, cfg: ModelConfig, tokens, positions, cache: DenseKV, last_only=None):
     """tokens, positions: [B, T] int32 -> (logits [B, T, V] float32, updated cache).
 
-    Writes each token's K/V at its position, then attends causally."""
+    Writes each token's K/V at its position, then attends causally. With `last_only` ([B]
+    int32 index into T), logits are computed only there: [B, 1, V] (prefill needs no more)."""
     B, T = tokens.shape
     h = nn.embed(w, tokens.reshape(-1))  # [B*T, E]
     flat_pos = positions.reshape(-1)  # [B*T]
@@ -64,8 +65,10 @@ def forward_dense(w: Weights, cfg: ModelConfig, tokens, positions, cache: DenseK
         return (h, ck, cv), None
 
     (h, ck, cv), _ = jax.lax.scan(layer_step, (h, cache.k, cache.v), (w.layers, jnp.arange(cfg.num_layers)))
-    logits = nn.logits(w, h, cfg).reshape(B, T, -1)
-    return logits, DenseKV(ck, cv)
+    if last_only is not None:
+        h = h.reshape(B, T, -1)[jnp.arange(B), last_only]  # [B, E]
+        return nn.logits(w, h, cfg)[:, None, :], DenseKV(ck, cv)
+    return nn.logits(w, h, cfg).reshape(B, T, -1), DenseKV(ck, cv)
 
 
 def forward_full(w: Weights, cfg: ModelConfig, tokens):

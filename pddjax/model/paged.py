@@ -33,7 +33,12 @@ class PackedBatch:
 
 def forward_paged(w: Weights, cfg: ModelConfig, batch: PackedBatch, pool: KVPool, *,
                   max_q_len: int, impl: str = "xla"):
-    """-> (logits [B, V] float32 at each row's last token, pool with the new tokens' K/V)."""
+    """-> (logits [B, V] float32 at each row's last token, pool with the new tokens' K/V).
+
+    Per layer, the new tokens' K/V go into their pages, then attention reads the pages
+    (in place for Pallas; XLA has no paged op and gathers each row's pages first: on CPU that
+    copy, at this machine's few GB/s, is what decode at large batch pays for). A variant that
+    gathered all layers once before the scan measured no faster and needs 30x the memory."""
     h = nn.embed(w, batch.tokens)  # [T, E]
     sm_scale = cfg.head_dim**-0.5
 

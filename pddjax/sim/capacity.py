@@ -10,7 +10,7 @@ Analytic bound (used to rank candidate deployments and to bracket the search), r
 The bound is optimistic (no queueing, perfect cache); the simulation decides.
 
 SLA-meeting rate: the largest offered request rate whose simulation meets the SLA, by
-bisection between 0.4x and 1.1x the analytic bound, for a fixed number of steps. Each probe
+bisection (within 0.4x-1.1x the analytic bound, or below it), for a fixed number of steps. Each probe
 regenerates the workload at that rate with the same seed: the same sessions, their start
 times scaled (common random numbers), so probes differ only in load.
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from pddjax.sim.cluster import max_batch_for
 from pddjax.sim.config import ClusterConfig, Sla
+from pddjax.sim.metrics import window_of
 from pddjax.sim.runner import simulate_workload
 from pddjax.workload.config import WorkloadConfig
 from pddjax.workload.generator import generate
@@ -72,6 +73,19 @@ def analytic_rps(cfg: ClusterConfig, st: TraceStats) -> float:
     return min(bounds(cfg, st).values())
 
 
+def offered_rps(wl: WorkloadConfig) -> float:
+    """Requests/s the trace schedules inside the measurement window (no simulation)."""
+    w0, w1 = window_of(wl.duration_s, wl.warm_start_s > 0)
+    n = sum(w0 <= r.arrival_s <= w1 for r in generate(wl, until=wl.duration_s))
+    return n / (w1 - w0)
+
+
+def nominal_for(wl: WorkloadConfig, target: float) -> float:
+    """The nominal rate (session_rate * turns_mean) whose trace offers `target` req/s."""
+    probe = wl.with_request_rate(target)
+    return target * target / max(offered_rps(probe), 1e-9)
+
+
 def meets(cfg: ClusterConfig, wl: WorkloadConfig, rps: float, sla: Sla) -> tuple[bool, dict]:
     """Simulate `wl` at `rps` requests/s on `cfg`; (SLA met?, summary)."""
     s = simulate_workload(cfg, wl.with_request_rate(rps), sla)
@@ -82,14 +96,21 @@ def sla_rps(cfg: ClusterConfig, wl: WorkloadConfig, sla: Sla, steps: int = 5,
             upper: float | None = None, floor: float = 0.4) -> tuple[float, dict | None]:
     """Largest SLA-meeting throughput; (measured req/s of the best passing probe, its summary).
 
-    Bisection of the offered rate on [floor * upper, upper] (upper defaults to 1.1x the
-    analytic bound); if even the floor fails, keep halving below it (at most `steps` more)."""
+    Probes the offered rate at `upper` (default 1.1x the analytic bound), then at
+    floor * upper, then bisects `steps` times between the highest pass and lowest failure
+    known (0 counts as a pass)."""
     if upper is None:
         upper = 1.1 * analytic_rps(cfg, TraceStats.of(generate(wl, until=wl.duration_s)))
+    best, best_s = 0.0, None
     ok, s = meets(cfg, wl, upper, sla)
     if ok:
         return s["rps"], s
-    lo, hi, best, best_s = floor * upper, upper, 0.0, None
+    lo, hi = floor * upper, upper
+    ok, s = meets(cfg, wl, lo, sla)
+    if ok:
+        best, best_s = s["rps"], s
+    else:
+        lo, hi = 0.0, lo
     for _ in range(steps):
         mid = (lo + hi) / 2
         ok, s = meets(cfg, wl, mid, sla)
@@ -97,11 +118,4 @@ def sla_rps(cfg: ClusterConfig, wl: WorkloadConfig, sla: Sla, steps: int = 5,
             lo, best, best_s = mid, s["rps"], s
         else:
             hi = mid
-    if best_s is None:  # never passed: search below the floor
-        rate = floor * upper
-        for _ in range(steps):
-            ok, s = meets(cfg, wl, rate, sla)
-            if ok:
-                return s["rps"], s
-            rate /= 2
     return best, best_s

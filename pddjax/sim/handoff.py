@@ -10,7 +10,8 @@
      meanwhile, and so on until a chunk is small enough to be the last.
 5. MD's extend pass over the last chunk yields the next token; MD decodes the rest.
 If RLD emits the whole output before the handoff completes (a singular request the filter
-did not predict), the request finishes on RLD and the WAN transfer is cancelled. Token ids
+did not predict), the request finishes on RLD and the WAN transfer is cancelled. If MD is
+ready before RLD even started (RLD queue full), RLD drops the request and MD serves all of it. Token ids
 cost 4 bytes each on the wire, counted in `id_bytes`.
 """
 
@@ -40,7 +41,7 @@ class Handoff:
         req.rld_seq = Seq(req, req.prompt + req.output, req.prompt, req.output - 1, True,
                           on_admit=lambda s: setattr(req, "first_token", c.loop.now),
                           on_finish=lambda s: self._rld_finished(req))
-        link.send(req.prompt * c.kvb, lambda: rld.enqueue(req.rld_seq))
+        link.send(req.prompt * c.kvb, lambda: rld.enqueue(req.rld_seq) if req.rld_seq.state == "new" else None)
         md = req.md_inst
         req.md_seq = Seq(req, req.prompt + req.output - req.md_pinned, req.prompt, 0, False,
                          on_admit=lambda s: c.back.message(lambda: self._step(req)),
@@ -63,6 +64,11 @@ class Handoff:
             return
         if req.handoff_start < 0:
             req.handoff_start = c.loop.now
+        if seq.state in ("new", "waiting"):  # RLD never started: MD serves the whole request
+            rld.remove(seq)
+            req.rld_tokens = 0
+            c.wan.message(lambda: self._take_over(req, from_start=True))
+            return
         pending = rld.progress(seq) - req.handed
         final = cfg.handoff == "oneshot" or pending <= cfg.chunk_threshold
         if final:
@@ -92,11 +98,14 @@ class Handoff:
         else:
             req.md_inst.extend(req.md_seq, k, ctx, done)
 
-    def _take_over(self, req: SimRequest) -> None:
-        """MD's pass over the last chunk produced token handed+1; MD decodes the rest."""
+    def _take_over(self, req: SimRequest, from_start: bool = False) -> None:
+        """MD's pass over the last chunk produced token handed+1; MD decodes the rest. With
+        `from_start` RLD never began, and MD emits the prefill's token itself."""
         if req.done or req.md_seq.state == "done":
             return
         req.handoff_end = self.c.loop.now
+        if from_start:
+            req.first_token = self.c.loop.now + self.c.user_lag
         remaining = req.output - req.handed - 1
         req.md_inst.start_decoding(req.md_seq, req.handed + 1, remaining, req.prompt + req.handed + 1)
 

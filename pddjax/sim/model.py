@@ -23,6 +23,7 @@ class ModelProfile:
     kv_bytes_per_token: float
     param_bytes: float
     active_params: float  # parameters used per token (= all of them for a dense model)
+    attn_keys: int | None = None  # sparse attention: keys each query attends (None = all)
 
     @property
     def flops_per_token(self) -> float:
@@ -33,6 +34,18 @@ class ModelProfile:
     def attn_flops_per_pair(self) -> float:
         """Attention FLOPs per (query token, cached key token) pair."""
         return 4.0 * self.layers * self.n_heads * self.head_dim
+
+
+def attn_pairs(model: ModelProfile, cached: float, new: float) -> float:
+    """(query, key) pairs when `new` tokens attend after `cached` ones (causal)."""
+    k = model.attn_keys
+    dense = cached * new + new * new / 2
+    if k is None:
+        return dense
+    if cached >= k:
+        return k * new
+    ramp = min(new, k - cached)  # queries that still see fewer than k keys
+    return cached * ramp + ramp * ramp / 2 + k * (new - ramp)
 
 
 def gqa_kv_bytes(layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
@@ -48,6 +61,13 @@ MODELS: dict[str, ModelProfile] = {
     "flagship-50k": ModelProfile(
         name="flagship-50k", layers=60, n_heads=128, n_kv_heads=1, head_dim=160, hidden=5120,
         kv_bytes_per_token=50_000, param_bytes=236e9, active_params=21e9,
+    ),
+    # The same flagship with DeepSeek-V3.2-style sparse attention (each query attends its top
+    # 2,048 keys; the cheap indexer over all keys is ignored): long-context prefill becomes
+    # roughly linear in new tokens. A sensitivity case, not the report's model.
+    "flagship-50k-sparse": ModelProfile(
+        name="flagship-50k-sparse", layers=60, n_heads=128, n_kv_heads=1, head_dim=160, hidden=5120,
+        kv_bytes_per_token=50_000, param_bytes=236e9, active_params=21e9, attn_keys=2048,
     ),
     # SmolLM2-135M (HF config): 30 layers, 9 heads, 3 KV heads, head dim 64, hidden 576,
     # ~134.5M parameters in BF16; KV = 2*30*3*64*2 = 23,040 bytes/token.

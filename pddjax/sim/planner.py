@@ -5,19 +5,19 @@ Two questions:
   which P:D split serves the most SLA-meeting requests/s?
 - `cheapest`: given a target rate, which deployment meets the SLA at that rate for the least
   hardware cost per hour? BCR at a fixed rate is rate / cost, so the cheapest passing
-  deployment is the BCR-maximizing one. For PDD we then look for the narrowest line (from the
-  candidates) with which the same pools still pass.
+  deployment is the BCR-maximizing one. Across the line we then look for the narrowest
+  bandwidth (from the candidates) with which the same pools still pass.
 
-Both enumerate pool sizes, rank them with the analytic bound of `capacity.py`, and let the
-simulator judge the best-ranked few. Every simulated probe is recorded in `log`.
+`best_split` ranks splits with the analytic bound of `capacity.py` and simulates the best
+few; `cheapest` searches pool by pool with the simulator. Every probe is recorded in `log`.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 from dataclasses import dataclass, field
 
-from pddjax.sim.capacity import TraceStats, analytic_rps, meets, sla_rps
+from pddjax.sim.capacity import TraceStats, analytic_rps, bounds, meets, nominal_for, sla_rps
 from pddjax.sim.config import ClusterConfig, Pool, Sla
 from pddjax.workload.config import WorkloadConfig
 from pddjax.workload.generator import generate
@@ -58,37 +58,54 @@ def best_split(base: ClusterConfig, total: int, wl: WorkloadConfig, sla: Sla, to
     return best
 
 
-def _pdd_candidates(base: ClusterConfig, max_p: int, max_d: int, max_rld: int, wans: list[float]):
-    for n_p, n_d in itertools.product(range(1, max_p + 1), range(1, max_d + 1)):
-        rlds = range(1, max_rld + 1) if base.mode == "pdd" else [0]
-        for n_r, w in itertools.product(rlds, wans):
-            yield base.replace(p=Pool(base.p.perf, n_p), d=Pool(base.d.perf, n_d), wan_gbps=w,
-                               rld=Pool(base.rld.perf, n_r) if n_r else base.rld)
-
-
 def cheapest(base: ClusterConfig, rps: float, wl: WorkloadConfig, sla: Sla, wans: list[float],
-             max_p: int = 24, max_d: int = 24, max_rld: int = 3, budget: int = 10) -> PlanResult:
-    """Least-cost deployment of `base.mode` meeting `sla` at `rps`, then the narrowest line."""
-    st = TraceStats.of(generate(wl.with_request_rate(rps), until=wl.duration_s))
-    widest = [max(wans)] if base.mode != "pd-local" else [base.wan_gbps]
-    cands = [c for c in _pdd_candidates(base, max_p, max_d, max_rld, widest) if analytic_rps(c, st) >= rps]
-    cands.sort(key=lambda c: (c.cost_per_hour, -analytic_rps(c, st)))
+             max_p: int = 64, max_d: int = 64, max_rld: int = 4) -> PlanResult:
+    """Least-cost deployment of `base.mode` meeting `sla` at `rps` (offered req/s).
+
+    Coordinate search, each probe one simulation: start from twice the analytic need of
+    each pool (growing everything 1.5x until it passes), then find the fewest P instances
+    that still pass, then the fewest D/MD, then (PDD) the fewest RLD, then the narrowest
+    line. Assumes more instances never hurt, which holds up to simulation noise."""
+    nominal = nominal_for(wl, rps)
+    st = TraceStats.of(generate(wl.with_request_rate(nominal), until=wl.duration_s))
     res = PlanResult(None, rps, None)
-    for cfg in cands[:budget]:
-        ok, s = meets(cfg, wl, rps, sla)
-        res.log.append({"deployment": cfg.describe(), "attainment": s["attainment"], "ok": ok})
-        if ok:
+    pdd = base.mode == "pdd"
+    line = max(wans) if base.mode != "pd-local" else base.wan_gbps
+
+    def make(n_p: int, n_d: int, n_r: int, gbps: float) -> ClusterConfig:
+        return base.replace(p=Pool(base.p.perf, n_p), d=Pool(base.d.perf, n_d), wan_gbps=gbps,
+                            rld=Pool(base.rld.perf, n_r) if pdd else base.rld)
+
+    def ok(cfg: ClusterConfig) -> bool:
+        passed, s = meets(cfg, wl, nominal, sla)
+        res.log.append({"deployment": cfg.describe(), "attainment": s["attainment"], "ok": passed})
+        if passed and (res.cfg is None or cfg.cost_per_hour <= res.cfg.cost_per_hour):
             res.cfg, res.summary = cfg, s
-            break
-    if res.cfg is None or base.mode == "pd-local":
-        return res
-    for w in sorted(wans):
-        if w >= res.cfg.wan_gbps:
-            break
-        cfg = res.cfg.replace(wan_gbps=w)
-        ok, s = meets(cfg, wl, rps, sla)
-        res.log.append({"deployment": cfg.describe(), "attainment": s["attainment"], "ok": ok})
-        if ok:
-            res.cfg, res.summary = cfg, s
-            break
+        return passed
+
+    one = bounds(make(1, 1, 1, line), st)
+    n = {"p": min(max_p, math.ceil(2 * rps / one["P"])), "d": min(max_d, math.ceil(2 * rps / one["D"])),
+         "r": 1 if pdd else 0}
+    while not ok(make(n["p"], n["d"], n["r"], line)):
+        if n["p"] >= max_p and n["d"] >= max_d:
+            return res
+        n["p"], n["d"] = min(max_p, math.ceil(1.5 * n["p"])), min(max_d, math.ceil(1.5 * n["d"]))
+        n["r"] = min(max_rld, n["r"] + 1) if pdd else 0
+    for key in ("p", "d", "r") if pdd else ("p", "d"):
+        lo, hi = 1, n[key]  # hi passes
+        while lo < hi:
+            mid = (lo + hi) // 2
+            trial = dict(n, **{key: mid})
+            if ok(make(trial["p"], trial["d"], trial["r"], line)):
+                hi = mid
+            else:
+                lo = mid + 1
+        n[key] = hi
+    best = make(n["p"], n["d"], n["r"], line)
+    res.cfg = best if res.cfg is None or res.cfg.cost_per_hour > best.cost_per_hour else res.cfg
+    if base.mode != "pd-local":
+        for w in sorted(wans):
+            if w < line and ok(make(n["p"], n["d"], n["r"], w)):
+                res.cfg = make(n["p"], n["d"], n["r"], w)
+                break
     return res

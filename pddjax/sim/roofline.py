@@ -7,7 +7,8 @@ and, for a pass over T new tokens whose attention covers P (query, key) pairs an
 KV of C cached tokens,
     FLOPs = 2 * active_params * T + 4 * layers * heads * head_dim * P
     bytes = param_bytes + kv_bytes_per_token * C.
-Prefill of n new tokens after c cached ones: T = n, P = c*n + n^2/2, C = c + n.
+Prefill of n new tokens after c cached ones: T = n, P = c*n + n^2/2, C = c + n (with sparse
+attention of k keys per query, P = sum over queries of min(keys seen, k) and C, S capped).
 A decode step of batch B with contexts summing to S: T = B, P = S, C = S; extend chunks
 batched into the same step add their tokens, pairs and contexts.
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pddjax.sim.hardware import Accelerator
-from pddjax.sim.model import ModelProfile
+from pddjax.sim.model import ModelProfile, attn_pairs
 
 FLOP_EFF = 0.5
 BW_EFF = 0.8
@@ -85,10 +86,15 @@ class RooflineInstance:
 
     def prefill_s(self, new: int, cached: int) -> float:
         """Seconds to prefill `new` tokens after `cached` reused ones."""
-        return self._pass(new, cached * new + new * new / 2, cached + new)
+        return self._pass(new, attn_pairs(self.model, cached, new), cached + new)
 
     def step_s(self, batch: int, ctx_sum: float, ext_tokens: int = 0, ext_ctx: float = 0,
                ext_pairs: float = 0) -> float:
         """Seconds for one forward: `batch` decode tokens over contexts summing to `ctx_sum`,
         plus `ext_tokens` extend-decode tokens (contexts `ext_ctx`, attention pairs `ext_pairs`)."""
+        k = self.model.attn_keys
+        if k is not None:  # each sequence reads / attends at most k cached tokens
+            ctx_sum = min(ctx_sum, batch * k)
+            ext_ctx = min(ext_ctx, ext_tokens * k)
+            ext_pairs = min(ext_pairs, ext_tokens * k)
         return self._pass(batch + ext_tokens, ctx_sum + ext_pairs, ctx_sum + ext_ctx)

@@ -11,13 +11,18 @@ from pddjax.workload.trace import TraceRequest
 
 
 def simulate(cfg: ClusterConfig, trace: list[TraceRequest], sla: Sla = Sla(),
-             timeline_bins: int = 0, horizon: float | None = None) -> dict:
+             timeline_bins: int = 0, horizon: float | None = None, measure_all: bool = False) -> dict:
     """Simulate `trace` on `cfg` (requests sent up to `horizon`; default: the last session
-    start); the summary of `metrics.summarize` plus cost and pool statistics."""
+    start, or every request if `measure_all`); the summary of `metrics.summarize` over the
+    measurement window (or all requests) plus cost and pool statistics."""
+    if measure_all and horizon is None:
+        horizon = float("inf")
     cl = Cluster(cfg, trace, horizon)
     reqs = cl.run()
     cl.check_integrity()
-    out = summarize(reqs, sla, window_of(cl.horizon, cl.history))
+    end = max(r.arrival for r in reqs)
+    window = (0.0, max(end, 1e-9)) if measure_all else window_of(cl.horizon, cl.history)
+    out = summarize(reqs, sla, window)
     end = cl.loop.now or 1.0
     out["cost_per_hour"] = cfg.cost_per_hour
     out["events"] = cl.loop.events_run

@@ -1,0 +1,87 @@
+"""`pddjax serve ROLE --config FILE [--port N]` (one service) and `pddjax up` (the stack)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from pddjax.errors import UserError
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "pddjax.toml")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="run one PDD service (prefill, relay, main or router)")
+    p.add_argument("role", choices=["prefill", "relay", "main", "router"])
+    p.add_argument("--config", required=True, help="stack config (TOML or JSON), see configs/")
+    p.add_argument("--port", type=int, default=None, help="listen port (default: the config's; 0 = any)")
+    p.add_argument("--ready-file", help=argparse.SUPPRESS)
+    p.set_defaults(func=run_serve)
+
+    u = sub.add_parser("up", help="start P, RLD, MD and the router on this machine behind a slowable WAN link")
+    u.add_argument("--config", help="stack config (TOML or JSON); default configs/pddjax.toml")
+    u.add_argument("--port", type=int, default=50051, help="router port")
+    u.add_argument("--state", help="write a JSON state file (services, pids, addresses)")
+    u.add_argument("--model", help="override the config's model")
+    u.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override every engine's dtype")
+    u.add_argument("--wan-mbps", type=float, help="A -> B bandwidth in Mb/s (0 = unlimited)")
+    u.add_argument("--wan-latency-ms", type=float, help="A -> B one-way latency in ms")
+    u.set_defaults(func=run_up)
+
+
+def _die_with_parent() -> None:
+    if os.environ.get("PDDJAX_DIE_WITH_PARENT") != "1":
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def run_serve(args) -> int:
+    from pddjax.serving.config import read_file, service_config
+    from pddjax.serving.server import serve
+
+    _die_with_parent()
+    cfg = service_config(read_file(args.config), args.role, args.port)
+    asyncio.run(serve(cfg, args.ready_file))
+    return 0
+
+
+def load_stack(args) -> dict:
+    from pddjax.serving.config import ENGINE_ROLES, read_file, service_config
+
+    stack = read_file(args.config or DEFAULT_CONFIG)
+    if args.model:
+        stack["model"] = args.model
+        for r in (*ENGINE_ROLES, "router"):
+            stack.get(r, {}).pop("model", None)
+    if args.dtype:
+        stack["engine"] = {**stack.get("engine", {}), "dtype": args.dtype}
+        for r in ENGINE_ROLES:
+            stack.get(r, {}).pop("dtype", None)
+    wan = dict(stack.get("wan", {}))
+    if args.wan_mbps is not None:
+        if args.wan_mbps < 0:
+            raise UserError(f"--wan-mbps must be >= 0, got {args.wan_mbps}")
+        wan["mbps"] = args.wan_mbps
+    if args.wan_latency_ms is not None:
+        if args.wan_latency_ms < 0:
+            raise UserError(f"--wan-latency-ms must be >= 0, got {args.wan_latency_ms}")
+        wan["latency_ms"] = args.wan_latency_ms
+    stack["wan"] = wan
+    for r in (*ENGINE_ROLES, "router"):  # validate before starting anything
+        service_config(stack, r)
+    for r in ENGINE_ROLES:
+        stack.setdefault(r, {})["port"] = 0
+    return stack
+
+
+def run_up(args) -> int:
+    from pddjax.serving.up import run_stack
+
+    return asyncio.run(run_stack(load_stack(args), args.port, args.state))

@@ -1,0 +1,96 @@
+"""Service and stack configuration: one TOML (or JSON) file describes the whole stack; a
+service reads the top-level defaults, `[engine]`, and its own role's table on top.
+
+    model = "tiny"            # tiny | smollm2-135m | PATH.gguf
+    platform = "cpu"          # JAX backend: cpu | gpu | tpu
+    host = "127.0.0.1"
+    [engine]                  # defaults for prefill, relay, main
+    dtype = "float32"; page_size = 16; num_pages = 256; attention = "xla"
+    max_step_tokens = 256; max_rows = 32; prefix_cache = true
+    [prefill] / [relay] / [main]    # per-role overrides of the above (+ port, platform, model)
+    [router]                  # port, prefill/relay/main addresses, main_wan (MD as cluster A
+                              # reaches it), handoff ("one-shot" | "chunked"), handoff_threshold,
+                              # chunk_bytes, auto_hit_fraction, auto_local_max_tokens
+    [wan]                     # mbps (0 = unlimited), latency_ms  (pddjax up's A -> B link)
+
+Swapping a cluster's hardware is a change of `platform`, `dtype`, `page_size`, `attention`
+and `num_pages` in that role's table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+
+from pddjax.errors import UserError
+
+ENGINE_ROLES = ("prefill", "relay", "main")
+ROLES = (*ENGINE_ROLES, "router")
+_ENGINE_KEYS = {"dtype", "page_size", "num_pages", "attention", "max_step_tokens", "max_rows", "prefix_cache"}
+
+
+@dataclasses.dataclass
+class RouterSettings:
+    prefill: str = ""
+    relay: str = ""
+    main: str = ""
+    main_wan: str = ""  # how P and RLD reach MD (through the WAN link); defaults to `main`
+    handoff: str = "one-shot"  # default handoff mode: "one-shot" | "chunked"
+    handoff_threshold: int = 64
+    chunk_bytes: int = 2 * 1024 * 1024
+    auto_hit_fraction: float = 0.75  # auto: MD holding at least this much of the prompt -> pd-cross
+    auto_local_max_tokens: int = 4  # auto: low hit and at most this many tokens -> pd-local
+
+
+@dataclasses.dataclass
+class ServiceConfig:
+    role: str
+    model: str = "tiny"
+    platform: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine: dict = dataclasses.field(default_factory=dict)  # EngineConfig fields
+    router: RouterSettings = dataclasses.field(default_factory=RouterSettings)
+
+
+def read_file(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read config {path}: {e.strerror}") from None
+    try:
+        return json.loads(data) if path.endswith(".json") else tomllib.loads(data.decode())
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise UserError(f"config {path} is not valid {'JSON' if path.endswith('.json') else 'TOML'}: {e}") from None
+
+
+def service_config(stack: dict, role: str, port: int | None = None) -> ServiceConfig:
+    if role not in ROLES:
+        raise UserError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+    section = dict(stack.get(role, {}))
+    cfg = ServiceConfig(role, model=section.pop("model", stack.get("model", "tiny")),
+                        platform=section.pop("platform", stack.get("platform")),
+                        host=section.pop("host", stack.get("host", "127.0.0.1")), port=int(section.pop("port", 0)))
+    if port is not None:
+        cfg.port = port
+    if role == "router":
+        known = {f.name for f in dataclasses.fields(RouterSettings)}
+        unknown = set(section) - known
+        if unknown:
+            raise UserError(f"unknown [router] key {sorted(unknown)[0]!r}")
+        cfg.router = RouterSettings(**section)
+        if cfg.router.handoff not in ("one-shot", "chunked"):
+            raise UserError(f"[router] handoff must be one-shot or chunked, got {cfg.router.handoff!r}")
+        return cfg
+    engine = {**stack.get("engine", {}), **section}
+    unknown = set(engine) - _ENGINE_KEYS
+    if unknown:
+        raise UserError(f"unknown engine key {sorted(unknown)[0]!r} for {role}")
+    if engine.get("dtype", "float32") not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"dtype must be float32, bfloat16 or float16, got {engine['dtype']!r}")
+    if engine.get("attention", "xla") not in ("xla", "pallas"):
+        raise UserError(f"attention must be xla or pallas, got {engine['attention']!r}")
+    cfg.engine = engine
+    return cfg

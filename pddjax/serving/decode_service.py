@@ -1,0 +1,327 @@
+"""The Decode service, run as RLD (relay) and as MD (main). One engine, one engine thread.
+
+A request's life here:
+  Reserve      add() the sequence paused: pins the prefix-cache hit (MD: the DRC prefix) and
+               reserves pages for prompt + max_tokens; answers the cached token count.
+  PushKV       chunks from P land in the pool as they arrive; on the last one the known
+               tokens (P's first token) are appended and decoding starts (RLD; MD in pd-cross).
+  Decode       the stream of tokens this tier produces for the user, from `emit_from` on.
+  Handoff      (RLD) hand token IDs to MD: one-shot, or chunk by chunk while more than the
+               threshold is pending; RLD pauses, MD acknowledges, RLD's stream ends with
+               handed_off_at = N and RLD releases the request.
+  HandoffTokens (MD) append RLD's tokens and extend-decode them; a non-final chunk is
+               acknowledged once MD has caught up on it; on the final one MD emits from N on.
+  Release      idempotent; `cache` inserts the computed context into the prefix cache (DRC).
+
+Sequences are held on finish (hold_on_finish) so MD's tokens sampled ahead of a chunked
+handoff are kept until the final chunk confirms them; tokens that disagree with RLD's (a
+heterogeneous pair) are rolled back and recomputed: the user's stream is RLD's up to N.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+
+from pddjax.kv.allocator import OutOfPages
+from pddjax.kv.canonical import KVImportError
+from pddjax.serving import rpc
+from pddjax.serving.kvwire import Assembler, WireError
+from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
+from pddjax.serving.worker import EngineWorker
+
+
+@dataclasses.dataclass
+class Slot:
+    request_id: str
+    out: asyncio.Queue  # TokenBatch | Exception, read by the Decode stream
+    emit_from: int | None = None  # output positions >= this go to the user (engine thread)
+    waiters: list = dataclasses.field(default_factory=list)  # (kv tokens needed, asyncio.Future)
+    closed: bool = False
+
+
+class DecodeService(cluster_pb2_grpc.DecodeServicer):
+    def __init__(self, role: str, engine, model_config, info: dict):
+        self.role, self.engine, self.cfg, self.info = role, engine, model_config, info
+        self.slots: dict[str, Slot] = {}
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.worker: EngineWorker | None = None
+
+    def start(self, loop) -> None:
+        self.worker = EngineWorker(self.engine, loop, self._on_step, name=f"engine-{self.role}")
+
+    # ---- engine-thread helpers ----------------------------------------------------------
+    def _put(self, slot: Slot, item) -> None:
+        self.worker.post(slot.out.put_nowait, item)
+
+    def _close(self, slot: Slot, item, cache: bool = True) -> None:
+        """Engine thread: last message of the stream, drop the sequence."""
+        if slot.closed:
+            return
+        slot.closed = True
+        self._put(slot, item)
+        if slot.request_id in self.engine.seqs:
+            self.engine.release(slot.request_id, cache=cache)
+        for _, fut in slot.waiters:
+            self.worker.post(_resolve, fut, -1)
+        slot.waiters.clear()
+        self.worker.post(self.slots.pop, slot.request_id, None)
+
+    def _emit_held(self, slot: Slot) -> None:
+        """Engine thread: emit everything generated from emit_from on; close if finished."""
+        seq = self.engine.seqs[slot.request_id]
+        toks = seq.generated[slot.emit_from:]
+        finish = seq.finish_reason
+        if toks or finish:
+            batch = cluster_pb2.TokenBatch(start_position=slot.emit_from, token_ids=toks, finish_reason=rpc.FINISH[finish])
+            if finish:
+                self._close(slot, batch)
+            else:
+                self._put(slot, batch)
+
+    def _on_step(self, events) -> None:
+        for ev in events:
+            slot = self.slots.get(ev.seq_id)
+            if slot is None or slot.closed or slot.emit_from is None or ev.position < slot.emit_from:
+                continue
+            batch = cluster_pb2.TokenBatch(start_position=ev.position, token_ids=[ev.token],
+                                           finish_reason=rpc.FINISH[ev.finish_reason])
+            if ev.finish_reason:
+                self._close(slot, batch)
+            else:
+                self._put(slot, batch)
+        for slot in list(self.slots.values()):
+            if slot.waiters:
+                seq = self.engine.seqs.get(slot.request_id)
+                if seq is None:
+                    continue
+                done = [w for w in slot.waiters if seq.pages.num_tokens >= w[0] or seq.finish_reason]
+                for w in done:
+                    slot.waiters.remove(w)
+                    self.worker.post(_resolve, w[1], seq.pages.num_tokens - len(seq.prompt))
+
+    # ---- RPCs -------------------------------------------------------------------------
+    async def Info(self, request, context):
+        pages, n = await self.worker.call(lambda e: (e.num_pages_active, len(e.seqs)))
+        return cluster_pb2.ServiceInfo(**self.info, pages_active=pages, requests=n)
+
+    async def MatchPrefix(self, request, context):
+        S = self.engine.config.page_size
+        if request.page_size != S:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page hashes must be computed at page size {S}, got {request.page_size}")
+        pages = await self.worker.call(self.engine.prefix_hit_by_hashes, list(request.page_hashes))
+        return cluster_pb2.MatchPrefixResponse(matched_pages=pages, matched_tokens=pages * S, page_size=S)
+
+    async def Reserve(self, request, context):
+        rid, prompt, params, max_tokens, stop_ids = rpc.spec_from_pb(request.spec)
+        err = validate_spec(self.cfg, rid, prompt, params, max_tokens)
+        if err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        if rid in self.slots:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already reserved here")
+        slot = Slot(rid, asyncio.Queue())
+
+        def reserve(e):
+            seq = e.add(rid, prompt, params, max_tokens, stop_ids, hold_on_finish=True, use_cache=request.use_cache)
+            seq.paused = True
+            self.slots[rid] = slot
+            return seq.pages.num_cached
+
+        try:
+            cached = await self.worker.call(reserve)
+        except OutOfPages:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the {self.role} pool cannot hold {len(prompt)} + {max_tokens} tokens now")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return cluster_pb2.ReserveResponse(cached_tokens=cached)
+
+    async def PushKV(self, request_iterator, context):
+        asm, rid, imported = Assembler(self.engine.fingerprint), None, 0
+        try:
+            async for chunk in request_iterator:
+                rid = rid or chunk.request_id
+                if rid not in self.slots:
+                    raise WireError("NOT_FOUND", f"request {rid} is not reserved on {self.role}")
+                run = asm.feed(chunk)
+                if run is not None:
+                    await self.worker.call(self.engine.import_kv, rid, run)
+                    imported += run.num_tokens
+                if chunk.last:
+                    await self.worker.call(self._kv_complete, rid, list(asm.header.known_tokens))
+                    return cluster_pb2.PushKVResponse(tokens_imported=imported, bytes_received=asm.bytes, chunks=asm.next_seq)
+        except (WireError, KVImportError) as e:
+            code = e.code_name if isinstance(e, WireError) else "FAILED_PRECONDITION"
+            if rid in self.slots and code != "NOT_FOUND":  # never decoded: drop it
+                await self.worker.call(self._fail, rid, getattr(grpc.StatusCode, code), str(e))
+            await context.abort(getattr(grpc.StatusCode, code), str(e))
+        await context.abort(grpc.StatusCode.DATA_LOSS, f"KV stream for {rid} ended before its last chunk")
+
+    def _fail(self, e, rid, code, message):
+        slot = self.slots.get(rid)
+        if slot is not None:
+            self._close(slot, _RpcFailure(code, message), cache=False)
+
+    def _kv_complete(self, e, rid, known):
+        slot, seq = self.slots.get(rid), e.seqs.get(rid)
+        if slot is None or seq is None or slot.closed:
+            return
+        if known:
+            seq.append_known(0, known)
+            seq.paused = False
+            slot.emit_from = 0
+            self._emit_held(slot)
+
+    async def Decode(self, request, context):
+        slot = self.slots.get(request.request_id)
+        if slot is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {request.request_id} is not reserved on {self.role}")
+        while True:
+            item = await slot.out.get()
+            if isinstance(item, _RpcFailure):
+                await context.abort(item.code, item.message)
+            yield item
+            if item.finish_reason or item.handed_off:
+                return
+
+    async def Handoff(self, request, context):
+        """RLD: hand the request's token IDs to MD (one-shot or chunked), then stop."""
+        rid = request.request_id
+        if rid not in self.slots:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
+        ch = self.channels.get(request.main_address) or rpc.channel(request.main_address)
+        self.channels[request.main_address] = ch
+        md = cluster_pb2_grpc.DecodeStub(ch)
+        chunked = request.mode == common_pb2.HANDOFF_MODE_CHUNKED
+        threshold = request.threshold or 64
+        sent, chunks = 0, 0
+        while True:
+            toks = await self.worker.call(_snapshot, rid)
+            if toks is None:  # RLD finished first
+                return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
+            if chunked and len(toks) - sent > threshold:
+                await md.HandoffTokens(cluster_pb2.HandoffTokensRequest(
+                    request_id=rid, start_position=sent, token_ids=toks[sent:], final=False, chunk_seq=chunks))
+                sent, chunks = len(toks), chunks + 1
+                continue
+            toks = await self.worker.call(_pause, rid)
+            if toks is None:
+                return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
+            try:
+                await md.HandoffTokens(cluster_pb2.HandoffTokensRequest(
+                    request_id=rid, start_position=sent, token_ids=toks[sent:], final=True, chunk_seq=chunks))
+            except grpc.aio.AioRpcError:
+                await self.worker.call(_resume, rid)  # MD failed: RLD finishes the request
+                raise
+            await self.worker.call(self._handed_off, rid, len(toks))
+            return cluster_pb2.HandoffResponse(handed_off=True, handed_off_at=len(toks), chunks=chunks + 1, tokens=len(toks))
+
+    def _handed_off(self, e, rid, n):
+        slot = self.slots.get(rid)
+        if slot is not None:
+            self._close(slot, cluster_pb2.TokenBatch(start_position=n, handed_off=True, handed_off_at=n))
+
+    async def HandoffTokens(self, request, context):
+        """MD: append RLD's token IDs (extend-decode them); ack a chunk once caught up."""
+        rid = request.request_id
+        if rid not in self.slots:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
+        fut = asyncio.get_running_loop().create_future()
+
+        def apply(e):
+            seq, slot = e.seqs.get(rid), self.slots.get(rid)
+            if seq is None or slot is None or slot.closed:
+                raise KeyError(rid)
+            start, toks = request.start_position, list(request.token_ids)
+            if start > len(seq.generated):
+                raise ValueError(f"handoff for {rid} starts at {start} but MD knows {len(seq.generated)} tokens")
+            for i, t in enumerate(toks):  # tokens sampled here ahead of RLD must agree
+                p = start + i
+                if p < len(seq.generated) and seq.generated[p] != t:
+                    seq.rollback(p)
+                    break
+            seq.append_known(start, toks)
+            seq.paused = False
+            end = start + len(toks)
+            if request.final:
+                slot.emit_from = end
+                self._emit_held(slot)
+                fut.get_loop().call_soon_threadsafe(_resolve, fut, min(seq.pages.num_tokens - len(seq.prompt), end))
+            elif seq.pages.num_tokens >= len(seq.prompt) + end or seq.finish_reason:
+                fut.get_loop().call_soon_threadsafe(_resolve, fut, end)
+            else:
+                slot.waiters.append((len(seq.prompt) + end, fut))
+
+        try:
+            await self.worker.call(apply)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is no longer on {self.role}")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        caught = await fut
+        return cluster_pb2.HandoffTokensResponse(caught_up_to=max(caught, 0))
+
+    async def Release(self, request, context):
+        def release(e):
+            slot = self.slots.get(request.request_id)
+            if slot is not None:
+                item = cluster_pb2.TokenBatch(finish_reason=common_pb2.FINISH_REASON_CANCELLED)
+                self._close(slot, item, cache=request.cache)
+                return True
+            if request.request_id in e.seqs:
+                e.release(request.request_id, cache=request.cache)
+                return True
+            return False
+
+        return cluster_pb2.ReleaseResponse(found=await self.worker.call(release))
+
+
+@dataclasses.dataclass
+class _RpcFailure:
+    code: grpc.StatusCode
+    message: str
+
+
+def _resolve(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _snapshot(e, rid):
+    seq = e.seqs.get(rid)
+    return None if seq is None or seq.finish_reason else list(seq.generated)
+
+
+def _pause(e, rid):
+    seq = e.seqs.get(rid)
+    if seq is None or seq.finish_reason:
+        return None
+    seq.paused = True
+    return list(seq.generated)
+
+
+def _resume(e, rid):
+    seq = e.seqs.get(rid)
+    if seq is not None:
+        seq.paused = False
+
+
+def validate_spec(cfg, rid, prompt, params, max_tokens) -> str | None:
+    """One sentence on what is wrong with a request, or None."""
+    if not rid:
+        return "the request has no request_id"
+    if not prompt:
+        return "the prompt is empty"
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
+    if max_tokens < 1:
+        return f"max_tokens must be at least 1, got {max_tokens}"
+    if len(prompt) + max_tokens > cfg.max_context:
+        return f"prompt ({len(prompt)} tokens) plus max_tokens {max_tokens} exceeds the model context of {cfg.max_context}"
+    try:
+        params.validate()
+    except ValueError as e:
+        return str(e)
+    return None

@@ -1,0 +1,86 @@
+"""KV on the wire: a canonical `KVRun` cut into `KVChunk` messages of about `chunk_bytes`
+(sequence number, crc32, model fingerprint in the header), and the receiver's checks.
+
+k and v travel as raw little-endian arrays [L, T, K, D] in the sender's dtype; the receiver
+casts into its own pool dtype and page size (pddjax.kv.canonical.import_run).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+
+from pddjax.kv.canonical import DTYPES, KVRun
+from pddjax.serving.pb import cluster_pb2
+
+
+class WireError(Exception):
+    """A stream that breaks the chunk protocol; `code_name` is the grpc.StatusCode name."""
+
+    def __init__(self, code_name: str, message: str):
+        super().__init__(message)
+        self.code_name = code_name
+
+
+def crc(k: bytes, v: bytes) -> int:
+    return zlib.crc32(v, zlib.crc32(k))
+
+
+def chunks(request_id: str, run: KVRun, start: int, known_tokens: list[int], chunk_bytes: int) -> Iterator[cluster_pb2.KVChunk]:
+    """Chunks of tokens [start, run.end) of `run` (start >= run.start)."""
+    L, _, K, D = run.k.shape
+    per_token = 2 * L * K * D * run.k.dtype.itemsize
+    step = max(1, chunk_bytes // per_token)
+    header = cluster_pb2.KVHeader(fingerprint=run.fingerprint, dtype=run.dtype, num_layers=L, num_kv_heads=K,
+                                  head_dim=D, start=start, end=run.end, known_tokens=known_tokens)
+    positions = list(range(start, run.end, step)) or [start]
+    for i, a in enumerate(positions):
+        b = min(a + step, run.end)
+        k = np.ascontiguousarray(run.k[:, a - run.start:b - run.start]).tobytes()
+        v = np.ascontiguousarray(run.v[:, a - run.start:b - run.start]).tobytes()
+        yield cluster_pb2.KVChunk(request_id=request_id, seq=i, header=header if i == 0 else None, start=a,
+                                  num_tokens=b - a, k=k, v=v, crc32=crc(k, v), last=i == len(positions) - 1)
+
+
+class Assembler:
+    """Receiver side: checks order, checksum and layout of each chunk -> KVRun pieces."""
+
+    def __init__(self, fingerprint: str):
+        self.fingerprint = fingerprint
+        self.header: cluster_pb2.KVHeader | None = None
+        self.next_seq, self.next_pos, self.bytes = 0, 0, 0
+
+    def feed(self, c: cluster_pb2.KVChunk) -> KVRun | None:
+        if c.seq != self.next_seq:
+            raise WireError("DATA_LOSS", f"KV chunk {c.seq} arrived where chunk {self.next_seq} was expected")
+        if c.seq == 0:
+            if not c.HasField("header"):
+                raise WireError("INVALID_ARGUMENT", "the first KV chunk carries no header")
+            h = c.header
+            if h.fingerprint != self.fingerprint:
+                raise WireError("FAILED_PRECONDITION",
+                                f"KV was computed by model {h.fingerprint}, this service serves {self.fingerprint}")
+            if h.dtype not in DTYPES:
+                raise WireError("FAILED_PRECONDITION", f"KV dtype {h.dtype!r} is not one of {sorted(DTYPES)}")
+            self.header, self.next_pos = h, h.start
+        h = self.header
+        if crc(c.k, c.v) != c.crc32:
+            raise WireError("DATA_LOSS", f"KV chunk {c.seq} fails its checksum")
+        if c.start != self.next_pos or c.start + c.num_tokens > h.end:
+            raise WireError("DATA_LOSS", f"KV chunk {c.seq} covers tokens from {c.start}, expected {self.next_pos}")
+        dt = np.dtype(DTYPES[h.dtype])
+        shape = (h.num_layers, c.num_tokens, h.num_kv_heads, h.head_dim)
+        if len(c.k) != int(np.prod(shape)) * dt.itemsize or len(c.v) != len(c.k):
+            raise WireError("INVALID_ARGUMENT", f"KV chunk {c.seq} has {len(c.k)} bytes, not a {shape} {h.dtype} array")
+        self.next_seq += 1
+        self.next_pos += c.num_tokens
+        self.bytes += len(c.k) + len(c.v)
+        if c.last and self.next_pos != h.end:
+            raise WireError("DATA_LOSS", f"KV stream ended at token {self.next_pos}, expected {h.end}")
+        if not c.num_tokens:
+            return None
+        k = np.frombuffer(c.k, dt).reshape(shape)
+        v = np.frombuffer(c.v, dt).reshape(shape)
+        return KVRun(h.fingerprint, c.start, k, v, h.dtype)

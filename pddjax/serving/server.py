@@ -1,0 +1,105 @@
+"""Build and run one service process: `pddjax serve {prefill,relay,main,router}`.
+
+Engine roles: configure JAX for the role's platform, load the model, build a PagedEngine
+from the role's engine table, start its engine thread, then serve. The port opens once the
+model is loaded (NOT_SERVING while loading is the reliability issue's); a `ready_file` (JSON {role, pid, address}) is written once serving.
+SIGTERM/SIGINT stop the server (in-flight calls get a short grace period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import grpc
+
+from pddjax.serving import rpc
+from pddjax.serving.config import ServiceConfig
+from pddjax.serving.pb import cluster_pb2, router_pb2, router_pb2_grpc
+from pddjax.serving.pb import cluster_pb2_grpc
+
+SERVICE_NAMES = {
+    "prefill": [cluster_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
+    "relay": [cluster_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
+    "main": [cluster_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
+    "router": [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name],
+}
+
+
+def model_meta(model: str):
+    """(ModelConfig, tokenizer or None) without loading weights (for the router)."""
+    from pddjax.model.config import NAMED_CONFIGS, TINY
+    from pddjax.model import gguf_loader
+    from pddjax.model.registry import smollm2_gguf_path
+    from pddjax.model.tokenizer import GGUFTokenizer
+
+    if model == "tiny":
+        return TINY, None
+    path = smollm2_gguf_path() if model in NAMED_CONFIGS else model
+    reader = gguf_loader.open_reader(path)
+    name = model if model in NAMED_CONFIGS else os.path.basename(path).removesuffix(".gguf")
+    return gguf_loader.config_from_gguf(reader, name), GGUFTokenizer.from_reader(reader)
+
+
+def build_servicer(cfg: ServiceConfig):
+    """-> (servicer, add_to_server function)."""
+    if cfg.role == "router":
+        from pddjax.serving.router import RouterService
+
+        mcfg, tok = model_meta(cfg.model)
+        return RouterService(cfg.router, mcfg, tok), router_pb2_grpc.add_RouterServicer_to_server
+    from pddjax.model.jax_setup import configure
+
+    configure(cfg.platform)
+    import jax
+
+    from pddjax.engines.paged_engine import EngineConfig, PagedEngine
+    from pddjax.model.registry import load_model
+
+    model = load_model(cfg.model)
+    ecfg = EngineConfig(**cfg.engine)
+    engine = PagedEngine(model.config, model.weights, model.fingerprint, ecfg)
+    info = dict(role=rpc.ROLE_NAMES[cfg.role], model=model.config.name, fingerprint=model.fingerprint, dtype=ecfg.dtype,
+                page_size=ecfg.page_size, num_pages=ecfg.num_pages, prefix_cache=ecfg.prefix_cache,
+                num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads,
+                head_dim=model.config.head_dim, platform=jax.default_backend(), attention=ecfg.attention)
+    if cfg.role == "prefill":
+        from pddjax.serving.prefill_service import PrefillService
+
+        return PrefillService(engine, model.config, info), cluster_pb2_grpc.add_PrefillServicer_to_server
+    from pddjax.serving.decode_service import DecodeService
+
+    return DecodeService(cfg.role, engine, model.config, info), cluster_pb2_grpc.add_DecodeServicer_to_server
+
+
+async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
+    server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
+    names = SERVICE_NAMES[cfg.role]
+    hs = rpc.add_health_and_reflection(server, names)
+    loop = asyncio.get_running_loop()
+    servicer, add = await loop.run_in_executor(None, build_servicer, cfg)
+    servicer.start(loop)
+    add(servicer, server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if port == 0:
+        raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+    await server.start()
+    await rpc.set_serving(hs, names, True)
+    address = f"{cfg.host}:{port}"
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"role": cfg.role, "pid": os.getpid(), "address": address}, f)
+        os.replace(tmp, ready_file)
+    print(f"pddjax {cfg.role} serving on {address}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await rpc.set_serving(hs, names, False)
+    await server.stop(grace=2)
+    worker = getattr(servicer, "worker", None)
+    if worker is not None:
+        worker.stop()

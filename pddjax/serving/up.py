@@ -1,0 +1,138 @@
+"""`pddjax up`: the whole stack on this machine as separate processes.
+
+Cluster A: P and RLD; cluster B: MD; the router on --port. P and RLD reach MD only through
+a WanLink (bandwidth and latency), running in this supervisor process. Steps: write each
+service's config, start P, RLD, MD (`pddjax serve ROLE`), wait for their ready files, start
+the link, start the router, write the state file
+  {"services": [{"role", "pid", "address", "metrics"}], "wan": {...}, "router": ADDRESS}
+(the `wan` byte counters are refreshed every second), print the router address, and on
+Ctrl-C or SIGTERM stop every child (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from pddjax.errors import UserError
+from pddjax.serving.config import ENGINE_ROLES
+from pddjax.serving.wanlink import WanLink
+
+
+class Child:
+    def __init__(self, role: str, proc: subprocess.Popen, ready_file: str):
+        self.role, self.proc, self.ready_file = role, proc, ready_file
+        self.address: str | None = None
+
+
+def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None) -> Child:
+    ready = os.path.join(workdir, f"{role}.ready.json")
+    cmd = [sys.executable, "-m", "pddjax", "serve", role, "--config", config_path, "--port", str(port),
+           "--ready-file", ready]
+    env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
+    proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=log or None, env=env)
+    return Child(role, proc, ready)
+
+
+async def wait_ready(children: list[Child], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(c.address is None for c in children):
+        for c in children:
+            if c.address is None and os.path.exists(c.ready_file):
+                with open(c.ready_file) as f:
+                    c.address = json.load(f)["address"]
+            if c.proc.poll() is not None and c.address is None:
+                raise UserError(f"the {c.role} service exited with code {c.proc.returncode} while starting")
+        if time.monotonic() > deadline:
+            raise UserError(f"services did not become ready within {timeout:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+def stop_all(children: list[Child], grace: float = 5.0) -> None:
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.terminate()
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool = False) -> int:
+    workdir = tempfile.mkdtemp(prefix="pddjax-up-")
+    children: list[Child] = []
+    link: WanLink | None = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log = open(os.path.join(workdir, "services.log"), "ab")
+    try:
+        cfg_path = os.path.join(workdir, "stack.json")
+        write_json(cfg_path, stack)
+        children = [spawn(r, cfg_path, workdir, log=log) for r in ENGINE_ROLES]
+        waiter = asyncio.create_task(wait_ready(children))
+        await asyncio.wait([waiter, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            waiter.cancel()
+            return 130
+        await waiter
+        addr = {c.role: c.address for c in children}
+        wan = stack.get("wan", {})
+        host, mport = addr["main"].rsplit(":", 1)
+        link = WanLink(host, int(mport), float(wan.get("mbps", 0)), float(wan.get("latency_ms", 0)))
+        wan_addr = await link.start(stack.get("host", "127.0.0.1"))
+        rstack = {**stack, "router": {**stack.get("router", {}), "prefill": addr["prefill"], "relay": addr["relay"],
+                                      "main": addr["main"], "main_wan": wan_addr}}
+        rcfg = os.path.join(workdir, "router.json")
+        write_json(rcfg, rstack)
+        router = spawn("router", rcfg, workdir, port=port, log=log)
+        children.append(router)
+        await wait_ready([router], timeout=120)
+
+        def state():
+            return {"services": [{"role": c.role, "pid": c.proc.pid, "address": c.address, "metrics": None}
+                                 for c in children],
+                    "router": router.address, "wan": {"address": wan_addr, "target": addr["main"], **link.stats()},
+                    "log": log.name}
+
+        if state_file:
+            write_json(state_file, state())
+        print(f"pddjax up: router on {router.address} (WAN link {wan_addr} -> MD {addr['main']}, "
+              f"{link.mbps or 'unlimited'} Mb/s, {link.latency_ms} ms)", flush=True)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                print(f"pddjax up: the {dead[0].role} service exited ({dead[0].proc.returncode}); stopping",
+                      file=sys.stderr, flush=True)
+                return 1
+            if state_file:
+                write_json(state_file, state())
+        return 0
+    finally:
+        if link is not None:
+            await link.close()
+        stop_all(children)
+        log.close()
+        if state_file and os.path.exists(state_file):
+            os.remove(state_file)

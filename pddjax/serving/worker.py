@@ -1,0 +1,70 @@
+"""One thread per engine: the only thread that ever calls the engine.
+
+Services submit work as callables (`call(fn)` -> awaitable result); between commands the
+thread runs `engine.step()` while there is work, and hands each step's events to
+`on_step(events)`, which runs in the worker thread too (so it may read the engine) and
+passes results to asyncio with `post(fn, *args)` (loop.call_soon_threadsafe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+
+
+class EngineWorker:
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_step: Callable[[list], None] | None = None,
+                 name: str = "engine"):
+        self.engine, self.loop, self.on_step = engine, loop, on_step
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = False
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable, *args) -> asyncio.Future:
+        """Run fn(*args) on the engine thread; await the returned future for its result."""
+        cf: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((fn, args, cf))
+        return asyncio.wrap_future(cf, loop=self.loop)
+
+    def post(self, fn: Callable, *args) -> None:
+        """From the engine thread: run fn(*args) on the event loop."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                item = self._q.get(block=not self.engine.has_work(), timeout=None)
+            except queue.Empty:
+                item = False
+            while item is not False:
+                if item is None:
+                    return
+                fn, args, cf = item
+                if cf.set_running_or_notify_cancel():
+                    try:
+                        cf.set_result(fn(*args))
+                    except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
+                        cf.set_exception(e)
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    item = False
+            if self.engine.has_work():
+                try:
+                    events = self.engine.step()
+                    self.steps += 1
+                    if self.on_step is not None:
+                        self.on_step(events)
+                except Exception:  # noqa: BLE001  (keep serving; the failure is logged)
+                    traceback.print_exc()
