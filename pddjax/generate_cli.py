@@ -28,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-ids", default="", help="extra comma-separated stop token IDs (EOS always stops)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--attention", choices=["xla", "pallas"], default=None,
+                   help="run through the paged engine with this attention (default: the monolithic reference)")
+    p.add_argument("--page-size", type=int, default=16, help="KV page size of the paged engine (with --attention)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=run)
 
@@ -85,13 +88,10 @@ def run(args: argparse.Namespace) -> int:
 
     configure()
     model, prompt_ids, params, stop_ids = prepare(args)
-    from pddjax.engines.reference import ReferenceEngine
-
-    engine = ReferenceEngine(model.config, model.weights, args.dtype)
     tok = model.tokenizer
     t0 = time.perf_counter()
     ttft, tokens, printed = None, [], ""
-    for t in engine.stream(prompt_ids, params, args.max_tokens, stop_ids):
+    for t in token_stream(args, model, prompt_ids, params, stop_ids):
         ttft = ttft if ttft is not None else time.perf_counter() - t0
         tokens.append(t)
         if not args.json and tok is not None:
@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     total = time.perf_counter() - t0
     finish = "stop" if tokens and tokens[-1] in stop_ids else "length"
     if args.json:
-        out = {"model": model.config.name, "prompt_ids": prompt_ids, "token_ids": tokens,
+        out = {"model": model.config.name, "engine": f"paged-{args.attention}" if args.attention else "reference",
+               "prompt_ids": prompt_ids, "token_ids": tokens,
                "text": tok.decode(tokens, skip_special=True) if tok else None, "finish_reason": finish,
                "ttft_ms": round(1e3 * ttft, 2), "total_ms": round(1e3 * total, 2),
                "load_s": round(model.load_seconds, 3), "weights_from": model.source}
@@ -113,3 +114,27 @@ def run(args: argparse.Namespace) -> int:
     else:
         print()
     return 0
+
+
+def token_stream(args, model, prompt_ids, params, stop_ids):
+    """Token ids as they are generated: the monolithic reference, or with --attention the
+    paged engine (one sequence through continuous batching) with that attention."""
+    if args.attention is None:
+        from pddjax.engines.reference import ReferenceEngine
+
+        yield from ReferenceEngine(model.config, model.weights, args.dtype).stream(
+            prompt_ids, params, args.max_tokens, stop_ids)
+        return
+    from pddjax.engines.paged_engine import EngineConfig, PagedEngine
+
+    if args.page_size < 1:
+        raise UserError(f"--page-size must be at least 1, got {args.page_size}")
+    S = args.page_size
+    pages = 2 + -(-(len(prompt_ids) + args.max_tokens) // S)
+    eng = PagedEngine(model.config, model.weights, model.fingerprint,
+                      EngineConfig(dtype=args.dtype, page_size=S, num_pages=pages, attention=args.attention,
+                                   max_step_tokens=512, max_rows=1, prefix_cache=False))
+    eng.add("cli", prompt_ids, params, args.max_tokens, stop_ids)
+    while eng.has_work():
+        for ev in eng.step():
+            yield ev.token

@@ -54,3 +54,14 @@ def test_console_script_exit_code_without_traceback():
     p = subprocess.run([sys.executable, "-m", "pddjax", "generate", "--model", "nope", "--prompt", "x"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "unknown model" in p.stderr
+
+
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_generate_through_paged_engine_matches_reference(capsys, attention):
+    base = ["generate", "--model", "tiny", "--prompt-ids", "5,6,7,8,9", "--max-tokens", "5", "--json"]
+    rc, out, _ = run_cli(capsys, *base)
+    ref = json.loads(out)
+    rc2, out2, _ = run_cli(capsys, *base, "--attention", attention, "--page-size", "4")
+    got = json.loads(out2)
+    assert rc == rc2 == 0 and got["engine"] == f"paged-{attention}"
+    assert got["token_ids"] == ref["token_ids"]

@@ -183,3 +183,22 @@ def test_out_of_pages_allocates_nothing(tiny):
     with pytest.raises(OutOfPages):
         eng.add("big", prompt(60, 1), GREEDY, 30, NO_STOP)
     assert eng.allocator.num_used == 0 and not eng.seqs
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_handoff_identity_with_pallas_attention(tiny, ref, params):
+    """The same P -> RLD -> MD path with the Pallas kernel (interpret mode on CPU) in every engine."""
+    p, m, total = prompt(29, 5), 7, 12
+    expected = ref.generate(p, params, total, NO_STOP).token_ids
+    prefill = engine(tiny, PrefillEngine, page_size=8, attention="pallas")
+    first = prefill.prefill([PrefillRequest("r", p, params, NO_STOP)])[0].first_token
+    kv = prefill.export_kv("r", 0, len(p))
+    relay = engine(tiny, DecodeEngine, page_size=8, attention="pallas")
+    relay.admit("r", p, [first], kv, params, total, NO_STOP, use_cache=False)
+    while len(relay.seqs["r"].generated) < m:
+        relay.step()
+    handed = relay.seqs["r"].generated[:m]
+    main = engine(tiny, DecodeEngine, page_size=16, attention="pallas")
+    main.admit("r", p, handed, kv, params, total, NO_STOP)
+    events = main.run_until_done(["r"])["r"]
+    assert handed + [e.token for e in events] == expected

@@ -30,6 +30,7 @@ from pddjax.kv.page_table import SequencePages, pages_needed
 from pddjax.kv.pool import KVPool
 from pddjax.kv.radix_cache import RadixCache
 from pddjax.model import weights as wmod
+from pddjax.model.attention import IMPLS, default_impl
 from pddjax.model.config import ModelConfig
 from pddjax.model.paged import PackedBatch
 from pddjax.model.sampling import SamplingParams
@@ -40,7 +41,7 @@ class EngineConfig:
     dtype: str = "float32"  # weights and KV
     page_size: int = 16
     num_pages: int = 256  # page 0 is scratch
-    attention: str = "xla"  # "xla" | "pallas"
+    attention: str = "auto"  # "xla" | "pallas" | "auto" (XLA on CPU, Pallas on GPU/TPU)
     max_step_tokens: int = 256  # token budget of one step (prefill chunks fill what is left)
     max_rows: int = 32
     prefix_cache: bool = True
@@ -56,6 +57,10 @@ class TokenEvent:
 
 class PagedEngine:
     def __init__(self, cfg: ModelConfig, weights: wmod.Weights, fingerprint: str, config: EngineConfig = EngineConfig()):
+        if config.attention == "auto":
+            config = dataclasses.replace(config, attention=default_impl())
+        if config.attention not in IMPLS:
+            raise ValueError(f"unknown attention {config.attention!r}; expected one of {IMPLS} or 'auto'")
         self.cfg, self.config, self.fingerprint = cfg, config, fingerprint
         self.weights = wmod.cast(weights, jnp.dtype(config.dtype))
         self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, config.num_pages, config.page_size,

@@ -111,7 +111,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         S = self.engine.config.page_size
         if request.page_size != S:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page hashes must be computed at page size {S}, got {request.page_size}")
-        pages = await self.worker.call(self.engine.prefix_hit_by_hashes, list(request.page_hashes))
+        pages = await self.worker.call(lambda e: e.prefix_hit_by_hashes(list(request.page_hashes)))
         return cluster_pb2.MatchPrefixResponse(matched_pages=pages, matched_tokens=pages * S, page_size=S)
 
     async def Reserve(self, request, context):
@@ -146,7 +146,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
                     raise WireError("NOT_FOUND", f"request {rid} is not reserved on {self.role}")
                 run = asm.feed(chunk)
                 if run is not None:
-                    await self.worker.call(self.engine.import_kv, rid, run)
+                    await self.worker.call(lambda e: e.import_kv(rid, run))
                     imported += run.num_tokens
                 if chunk.last:
                     await self.worker.call(self._kv_complete, rid, list(asm.header.known_tokens))

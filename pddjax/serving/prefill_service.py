@@ -47,7 +47,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         S = self.engine.config.page_size
         if request.page_size != S:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page hashes must be computed at page size {S}, got {request.page_size}")
-        pages = await self.worker.call(self.engine.prefix_hit_by_hashes, list(request.page_hashes))
+        pages = await self.worker.call(lambda e: e.prefix_hit_by_hashes(list(request.page_hashes)))
         return cluster_pb2.MatchPrefixResponse(matched_pages=pages, matched_tokens=pages * S, page_size=S)
 
     async def Prefill(self, request, context):

@@ -1,6 +1,6 @@
 """One thread per engine: the only thread that ever calls the engine.
 
-Services submit work as callables (`call(fn)` -> awaitable result); between commands the
+Services submit work as callables (`call(fn, *args)` runs fn(engine, *args) -> awaitable); between commands the
 thread runs `engine.step()` while there is work, and hands each step's events to
 `on_step(events)`, which runs in the worker thread too (so it may read the engine) and
 passes results to asyncio with `post(fn, *args)` (loop.call_soon_threadsafe).
@@ -27,7 +27,7 @@ class EngineWorker:
         self._thread.start()
 
     def call(self, fn: Callable, *args) -> asyncio.Future:
-        """Run fn(*args) on the engine thread; await the returned future for its result."""
+        """Run fn(engine, *args) on the engine thread; await the returned future for its result."""
         cf: concurrent.futures.Future = concurrent.futures.Future()
         self._q.put((fn, args, cf))
         return asyncio.wrap_future(cf, loop=self.loop)
@@ -53,7 +53,7 @@ class EngineWorker:
                 fn, args, cf = item
                 if cf.set_running_or_notify_cancel():
                     try:
-                        cf.set_result(fn(*args))
+                        cf.set_result(fn(self.engine, *args))
                     except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
                         cf.set_exception(e)
                 try:
