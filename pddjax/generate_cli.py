@@ -1,7 +1,9 @@
-"""`pddjax generate`: local generation with the monolithic reference engine.
+"""`pddjax generate`: local generation with the monolithic reference engine, or, with
+`--router HOST:PORT`, through a running PDD stack (`--pipeline`, `--handoff`).
 
-Prints one JSON object with --json (prompt_ids, token_ids, text, finish_reason, timings);
-otherwise streams text to stdout as it is generated.
+Prints one JSON object with --json (prompt_ids, token_ids, text, finish_reason, timings; through
+a router also `sources` (relay or main per token), `pipeline` and `ttft_ms`); otherwise
+streams text to stdout as it is generated.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ def register(sub) -> None:
                    help="run through the paged engine with this attention (default: the monolithic reference)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size of the paged engine (with --attention)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--router", metavar="HOST:PORT", help="generate through a PDD router instead of locally")
+    p.add_argument("--pipeline", choices=["auto", "pdd", "pd-cross", "pd-local"], default="auto",
+                   help="with --router: the pipeline (default: the router's choice)")
+    p.add_argument("--handoff", choices=["one-shot", "chunked"], help="with --router: the RLD -> MD handoff mode")
+    p.add_argument("--session-id", default="", help="with --router: the conversation this turn belongs to")
+    p.add_argument("--timeout", type=float, default=600.0, help="with --router: seconds before giving up")
     p.set_defaults(func=run)
 
 
@@ -83,7 +91,49 @@ def prepare(args):
     return model, prompt_ids, params, stop_ids
 
 
+def run_remote(args: argparse.Namespace) -> int:
+    """Client mode: the server tokenizes and validates; its errors come back as one sentence."""
+    from pddjax.serving.client import Client, RouterError, make_request
+
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.prompt is not None and not args.prompt:
+        raise UserError("the prompt is empty")
+    ids = parse_ids(args.prompt_ids, "--prompt-ids") if args.prompt_ids is not None else None
+    if args.chat and ids is not None:
+        raise UserError("--chat needs --prompt text, not --prompt-ids")
+    req = make_request(
+        ids, None if args.chat else args.prompt, [{"role": "user", "content": args.prompt}] if args.chat else None,
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        stop_ids=parse_ids(args.stop_ids, "--stop-ids"), pipeline=args.pipeline, handoff=args.handoff,
+        session_id=args.session_id)
+
+    def show(msg):
+        if not args.json:
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+
+    client = Client(args.router)
+    try:
+        r = client.generate(req, timeout=args.timeout, on_tokens=show)
+    except RouterError as e:
+        raise UserError(f"the router answered {e.code.name}: {e}") from None
+    finally:
+        client.close()
+    if args.json:
+        out = r.to_json()
+        out.pop("messages")
+        print(json.dumps(out))
+    elif not r.text:
+        print(",".join(map(str, r.token_ids)))
+    else:
+        print()
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.router:
+        return run_remote(args)
     from pddjax.model.jax_setup import configure
 
     configure()

@@ -1,16 +1,19 @@
 """Sampling: the draw for output position t depends only on (seed, t)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pddjax.model.sampling import SamplingParams, sample
 
+sample_jit = jax.jit(sample)
+
 
 def _sample(logits, seed, step, temp=1.0, k=0, p=1.0):
     B = logits.shape[0]
     full = lambda v, dt: jnp.full((B,), v, dt)  # noqa: E731
-    return np.asarray(sample(jnp.asarray(logits), full(seed, jnp.int32), full(step, jnp.int32),
+    return np.asarray(sample_jit(jnp.asarray(logits), full(seed, jnp.int32), full(step, jnp.int32),
                              full(temp, jnp.float32), full(k, jnp.int32), full(p, jnp.float32)))
 
 

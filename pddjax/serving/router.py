@@ -179,7 +179,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         prompt_tokens=len(prompt), cached_on_prefill=st.cached_p, cached_on_main=st.cached_md,
                         completion_tokens=len(tokens), relay_tokens=sources.count(P.ROLE_RELAY),
                         main_tokens=sources.count(P.ROLE_MAIN), kv_bytes_to_relay=st.bytes_rld,
-                        kv_bytes_to_main=st.bytes_md, handoff_tokens=st.handoff_tokens))
+                        kv_bytes_to_main=st.bytes_md, handoff_tokens=st.handoff_tokens,
+                        handoff_chunks=st.handoff_chunks))
                     msg.timings.CopyFrom(router_pb2.Timings(
                         ttft_ms=1e3 * (st.ttft or 0), total_ms=1e3 * (time.perf_counter() - t0), prefill_ms=st.prefill_ms,
                         kv_to_main_ms=st.md_ms, handoff_position=st.handoff_at or 0))
@@ -233,7 +234,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             r = await self.rld.Handoff(cluster_pb2.HandoffRequest(
                 request_id=rid, main_address=self.s.main_wan or self.s.main, mode=mode, threshold=self.s.handoff_threshold))
-            st.handoff_tokens = r.tokens if r.handed_off else 0
+            if r.handed_off:
+                st.handoff_tokens, st.handoff_chunks = r.tokens, r.chunks
         except grpc.aio.AioRpcError:
             pass  # RLD keeps decoding and finishes the request itself
 
@@ -256,7 +258,7 @@ class _State:
         self.prefill_ms = self.md_ms = 0.0
         self.ttft = None
         self.handoff_at = None
-        self.handoff_tokens = 0
+        self.handoff_tokens = self.handoff_chunks = 0
 
 
 def _terminal(item) -> bool:

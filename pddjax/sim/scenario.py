@@ -35,7 +35,8 @@ from pddjax.workload.config import PRESETS, WorkloadConfig, fixed_hit_mix
 
 REPORT = {"bcr_gain": 0.375, "ttft_reduction_vs_cross": 0.515, "rld_token_share": 0.062,
           "cost_change": [-0.071, -0.035], "rps_gain": 0.278}
-BATHTUB_HITS = [0.05, 0.2, 0.35, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]
+BATHTUB_HITS = [0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.97]
+BATHTUB_DURATION_S = 150.0  # shorter runs for the sweep (16 bisections)
 WANS = [10.0, 25.0, 50.0, 100.0]
 DRIFT_GBPS = 25.0  # a line on which low-hit transfers often exceed the RLD threshold
 # Revenue view of the bathtub: price of a cached input token and of an output token, relative
@@ -49,8 +50,8 @@ def bcr(rps: float, cost_per_hour: float) -> float:
 
 
 def _bathtub_point(cfg: ClusterConfig, wl: WorkloadConfig, sla: Sla, hit: float) -> dict:
-    w = dataclasses.replace(wl, hit_mix=fixed_hit_mix(hit))
-    rps, s = sla_rps(cfg, w, sla, steps=5)
+    w = dataclasses.replace(wl, hit_mix=fixed_hit_mix(hit), duration_s=BATHTUB_DURATION_S)
+    rps, s = sla_rps(cfg, w, sla, steps=4)
     value = (1 - hit) + hit * PRICE_CACHED  # per prompt token, relative to uncached input
     per_req = value * w.context_tokens + PRICE_OUTPUT * w.mean_output
     return {"hit": hit, "rps": rps, "bcr": bcr(rps, cfg.cost_per_hour),
