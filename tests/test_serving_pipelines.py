@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 STACK = {
     "model": "tiny", "platform": "cpu",
     "engine": {"dtype": "float32", "page_size": 16, "num_pages": 256, "max_step_tokens": 128, "max_rows": 8},
-    "router": {"chunk_bytes": 4096, "handoff_threshold": 8},
+    "router": {"chunk_bytes": 4096, "handoff_threshold": 24},
 }
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
 EOS = (2,)
@@ -89,17 +89,26 @@ def test_pipeline_matches_reference(client, ref, stack, pipeline, handoff, sampl
 
 @pytest.mark.parametrize("handoff", ["one-shot", "chunked"])
 def test_slow_link_pdd_starts_on_relay_ends_on_main(client, ref, stack, handoff):
-    p = prompt(120, 7 if handoff == "one-shot" else 8)  # 60 KB of KV to MD at 0.4 Mb/s: ~1.2 s
-    stack.link.set(mbps=0.4)
+    """120 prompt tokens = 61 KB of KV to MD; at 1 Mb/s that takes ~500 ms while RLD decodes
+    up to 380 tokens (a few ms each here). A cold MD compiles each new extend shape (~1 s on
+    this CPU), long enough for RLD to finish alone (correct, but no handoff to check), so we
+    retry with fresh prompts of the same shape until one hands off (at most 4 tries)."""
+    stack.link.set(mbps=1.0)
     try:
-        r = client.generate(make_request(p, max_tokens=300, pipeline="pdd", handoff=handoff, ignore_eos=True), timeout=60)
+        for attempt in range(4):
+            p = prompt(120, 70 + attempt + (10 if handoff == "chunked" else 0))
+            r = client.generate(make_request(p, max_tokens=380, pipeline="pdd", handoff=handoff, ignore_eos=True),
+                                timeout=60)
+            assert r.token_ids == ref.generate(p, SamplingParams(), 380, ()).token_ids
+            check_sources("pdd", r.sources)
+            if r.usage["handoff_chunks"]:
+                break
     finally:
         stack.link.set()
-    assert r.token_ids == ref.generate(p, SamplingParams(), 300, ()).token_ids
-    assert r.sources[0] == "relay" and r.sources[-1] == "main", r.sources
-    check_sources("pdd", r.sources)
+    print(handoff, attempt, r.usage, r.timings)
+    assert r.sources[0] == "relay" and r.sources[-1] == "main", (r.usage, r.timings)
     assert r.timings["handoff_position"] == r.sources.index("main") == r.usage["handoff_tokens"]
-    if handoff == "chunked":  # RLD had more than the threshold (8) pending: several chunks
+    if handoff == "chunked":  # RLD had more than the threshold (24) pending: several chunks
         assert r.usage["handoff_chunks"] >= 2, r.usage
     else:
         assert r.usage["handoff_chunks"] == 1

@@ -11,12 +11,14 @@ def pow2_at_least(n: int, minimum: int = 1) -> int:
     return b
 
 
-def token_bucket(n: int) -> int:  # T: packed tokens per step
-    return pow2_at_least(n, 8)
+def token_bucket(n: int) -> int:
+    """T: packed tokens per step. Starts at 1: on CPU a 1-token step runs as matrix-vector
+    products, measured 2x faster than the same step padded to 8 tokens."""
+    return pow2_at_least(n, 1)
 
 
 def row_bucket(n: int) -> int:  # B: rows per step
-    return pow2_at_least(n, 4)
+    return pow2_at_least(n, 1)
 
 
 def pages_bucket(n: int) -> int:
