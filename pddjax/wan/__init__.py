@@ -1,0 +1,1 @@
+"""WAN link emulation between cluster A and cluster B (userspace TCP proxy)."""
