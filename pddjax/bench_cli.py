@@ -26,10 +26,9 @@ def register(sub) -> None:
     r.set_defaults(func=run_reference)
     import importlib.util
 
-    if importlib.util.find_spec("pddjax.engines.bench_engine") is not None:
-        from pddjax.engines import bench_engine
-
-        bench_engine.register(bsub)
+    for name in ("pddjax.engines.bench_engine", "pddjax.serving.bench_handoff"):
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name).register(bsub)
 
 
 def _write(figures: dict, path: str | None) -> None:

@@ -46,8 +46,15 @@ def run_serve(args) -> int:
     from pddjax.serving.config import read_file, service_config
     from pddjax.serving.server import serve
 
-    _die_with_parent()
     cfg = service_config(read_file(args.config), args.role, args.port)
+    _die_with_parent()
+    import faulthandler
+    import signal
+
+    try:
+        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps every thread's stack to stderr
+    except (AttributeError, ValueError, OSError):
+        pass
     asyncio.run(serve(cfg, args.ready_file))
     return 0
 
@@ -55,7 +62,10 @@ def run_serve(args) -> int:
 def load_stack(args) -> dict:
     from pddjax.serving.config import ENGINE_ROLES, read_file, service_config
 
-    stack = read_file(args.config or DEFAULT_CONFIG)
+    if args.config is None and not os.path.exists(DEFAULT_CONFIG):
+        stack = {"model": "smollm2-135m", "platform": "cpu"}  # installed without the repo's configs/
+    else:
+        stack = read_file(args.config or DEFAULT_CONFIG)
     if args.model:
         stack["model"] = args.model
         for r in (*ENGINE_ROLES, "router"):

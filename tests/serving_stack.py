@@ -53,7 +53,7 @@ def wait_files(children: list[Child], timeout: float) -> None:
 class Stack:
     """P, RLD, MD and the router as processes; P and RLD reach MD through `link`."""
 
-    def __init__(self, stack: dict, workdir: str, timeout: float = 180.0):
+    def __init__(self, stack: dict, workdir: str, timeout: float = 180.0, use_link: bool = True):
         self.children: list[Child] = []
         self.link: LinkThread | None = None
         self.log = open(os.path.join(workdir, "services.log"), "ab")
@@ -67,7 +67,7 @@ class Stack:
             self.link = LinkThread(self.addr["main"])
             rstack = {**stack, "router": {**stack.get("router", {}), "prefill": self.addr["prefill"],
                                           "relay": self.addr["relay"], "main": self.addr["main"],
-                                          "main_wan": self.link.address}}
+                                          "main_wan": self.link.address if use_link else self.addr["main"]}}
             rcfg = os.path.join(workdir, "router.json")
             with open(rcfg, "w") as f:
                 json.dump(rstack, f)

@@ -3,8 +3,8 @@
 A request's life here:
   Reserve      add() the sequence paused: pins the prefix-cache hit (MD: the DRC prefix) and
                reserves pages for prompt + max_tokens; answers the cached token count.
-  PushKV       chunks from P land in the pool as they arrive; on the last one the known
-               tokens (P's first token) are appended and decoding starts (RLD; MD in pd-cross).
+  PushKV       chunks from P land in the pool as they arrive (P streams them while still
+               prefilling); on the last one the known tokens (P's first token) are appended and decoding starts (RLD; MD in pd-cross).
   Decode       the stream of tokens this tier produces for the user, from `emit_from` on.
   Handoff      (RLD) hand token IDs to MD: one-shot, or chunk by chunk while more than the
                threshold is pending; RLD pauses, MD acknowledges, RLD's stream ends with
@@ -40,6 +40,7 @@ class Slot:
     emit_from: int | None = None  # output positions >= this go to the user (engine thread)
     waiters: list = dataclasses.field(default_factory=list)  # (kv tokens needed, asyncio.Future)
     closed: bool = False
+    decoding: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # KV landed, tokens flow
 
 
 class DecodeService(cluster_pb2_grpc.DecodeServicer):
@@ -64,6 +65,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         self._put(slot, item)
         if slot.request_id in self.engine.seqs:
             self.engine.release(slot.request_id, cache=cache)
+        self.worker.post(slot.decoding.set)  # a pending Handoff wakes up and finds it gone
         for _, fut in slot.waiters:
             self.worker.post(_resolve, fut, -1)
         slot.waiters.clear()
@@ -104,8 +106,8 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     # ---- RPCs -------------------------------------------------------------------------
     async def Info(self, request, context):
-        pages, n = await self.worker.call(lambda e: (e.num_pages_active, len(e.seqs)))
-        return cluster_pb2.ServiceInfo(**self.info, pages_active=pages, requests=n)
+        pages, n, err = await self.worker.call(_info)
+        return cluster_pb2.ServiceInfo(**self.info, pages_active=pages, requests=n, integrity_error=err)
 
     async def MatchPrefix(self, request, context):
         S = self.engine.config.page_size
@@ -149,7 +151,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
                     await self.worker.call(lambda e: e.import_kv(rid, run))
                     imported += run.num_tokens
                 if chunk.last:
-                    await self.worker.call(self._kv_complete, rid, list(asm.header.known_tokens))
+                    await self.worker.call(self._kv_complete, rid, list(chunk.known_tokens))
                     return cluster_pb2.PushKVResponse(tokens_imported=imported, bytes_received=asm.bytes, chunks=asm.next_seq)
         except (WireError, KVImportError) as e:
             code = e.code_name if isinstance(e, WireError) else "FAILED_PRECONDITION"
@@ -171,6 +173,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
             seq.append_known(0, known)
             seq.paused = False
             slot.emit_from = 0
+            self.worker.post(slot.decoding.set)
             self._emit_held(slot)
 
     async def Decode(self, request, context):
@@ -188,8 +191,11 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
     async def Handoff(self, request, context):
         """RLD: hand the request's token IDs to MD (one-shot or chunked), then stop."""
         rid = request.request_id
-        if rid not in self.slots:
+        slot = self.slots.get(rid)
+        if slot is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
+        # MD may hold its KV before RLD does (a large DRC hit): hand off only once RLD decodes
+        await slot.decoding.wait()
         ch = self.channels.get(request.main_address) or rpc.channel(request.main_address)
         self.channels[request.main_address] = ch
         md = cluster_pb2_grpc.DecodeStub(ch)
@@ -234,6 +240,8 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
             if seq is None or slot is None or slot.closed:
                 raise KeyError(rid)
             start, toks = request.start_position, list(request.token_ids)
+            if request.final and start + len(toks) == 0:
+                raise ValueError(f"the final handoff for {rid} carries no token")
             if start > len(seq.generated):
                 raise ValueError(f"handoff for {rid} starts at {start} but MD knows {len(seq.generated)} tokens")
             for i, t in enumerate(toks):  # tokens sampled here ahead of RLD must agree
@@ -325,3 +333,12 @@ def validate_spec(cfg, rid, prompt, params, max_tokens) -> str | None:
     except ValueError as e:
         return str(e)
     return None
+
+
+def _info(e):
+    try:
+        e.check_integrity()
+        err = ""
+    except AssertionError as x:
+        err = str(x) or "check_integrity failed"
+    return e.num_pages_active, len(e.seqs), err

@@ -28,20 +28,44 @@ def crc(k: bytes, v: bytes) -> int:
     return zlib.crc32(v, zlib.crc32(k))
 
 
-def chunks(request_id: str, run: KVRun, start: int, known_tokens: list[int], chunk_bytes: int) -> Iterator[cluster_pb2.KVChunk]:
-    """Chunks of tokens [start, run.end) of `run` (start >= run.start)."""
-    L, _, K, D = run.k.shape
-    per_token = 2 * L * K * D * run.k.dtype.itemsize
-    step = max(1, chunk_bytes // per_token)
-    header = cluster_pb2.KVHeader(fingerprint=run.fingerprint, dtype=run.dtype, num_layers=L, num_kv_heads=K,
-                                  head_dim=D, start=start, end=run.end, known_tokens=known_tokens)
-    positions = list(range(start, run.end, step)) or [start]
-    for i, a in enumerate(positions):
-        b = min(a + step, run.end)
-        k = np.ascontiguousarray(run.k[:, a - run.start:b - run.start]).tobytes()
-        v = np.ascontiguousarray(run.v[:, a - run.start:b - run.start]).tobytes()
-        yield cluster_pb2.KVChunk(request_id=request_id, seq=i, header=header if i == 0 else None, start=a,
-                                  num_tokens=b - a, k=k, v=v, crc32=crc(k, v), last=i == len(positions) - 1)
+class Chunker:
+    """Sender side for one target: tokens [start, end) of a sequence arrive as KVRun pieces
+    (in order, possibly overlapping what was already sent); each becomes chunks of about
+    `chunk_bytes`. The chunk that reaches `end` is the last and carries `known_tokens`."""
+
+    def __init__(self, request_id: str, start: int, end: int, chunk_bytes: int):
+        self.request_id, self.start, self.end, self.chunk_bytes = request_id, start, end, chunk_bytes
+        self.next_pos, self.seq, self.bytes = start, 0, 0
+
+    def feed(self, run: KVRun, known_tokens: list[int] | None = None) -> list[cluster_pb2.KVChunk]:
+        L, _, K, D = run.k.shape
+        step = max(1, self.chunk_bytes // (2 * L * K * D * run.k.dtype.itemsize))
+        out = []
+        a = max(self.next_pos, run.start)
+        if a > self.next_pos:
+            raise ValueError(f"KV piece starts at {run.start}, past the next token to send {self.next_pos}")
+        while a < run.end:
+            b = min(a + step, run.end)
+            k = np.ascontiguousarray(run.k[:, a - run.start:b - run.start]).tobytes()
+            v = np.ascontiguousarray(run.v[:, a - run.start:b - run.start]).tobytes()
+            c = cluster_pb2.KVChunk(request_id=self.request_id, seq=self.seq, start=a, num_tokens=b - a, k=k, v=v,
+                                    crc32=crc(k, v), last=b == self.end)
+            if self.seq == 0:
+                c.header.CopyFrom(cluster_pb2.KVHeader(fingerprint=run.fingerprint, dtype=run.dtype, num_layers=L,
+                                                       num_kv_heads=K, head_dim=D, start=self.start, end=self.end))
+            if c.last:
+                c.known_tokens.extend(known_tokens or [])
+            out.append(c)
+            self.seq, self.next_pos, self.bytes = self.seq + 1, b, self.bytes + len(k) + len(v)
+            a = b
+            if c.last:
+                break
+        return out
+
+
+def chunks(request_id: str, run: KVRun, start: int, known_tokens: list[int], chunk_bytes: int) -> list[cluster_pb2.KVChunk]:
+    """All chunks of tokens [start, run.end) of `run` (start >= run.start), in one go."""
+    return Chunker(request_id, start, run.end, chunk_bytes).feed(run, known_tokens)
 
 
 class Assembler:

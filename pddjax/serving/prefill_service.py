@@ -1,16 +1,18 @@
 """The Prefill service (P). One engine, one engine thread; concurrent prompts are batched by
 the engine's packed step.
 
-Prefill(spec, targets): add() with max_tokens=1 (own prefix cache), wait for the first token,
-export the KV once in the canonical form from the smallest target start, release the
-sequence into P's prefix cache, then push to every target at once (dual path: all of it to
-RLD, MD's missing suffix to MD), each as a stream of KV chunks. The response stream reports
-`prefilled` and one `transfer_done` per target (with its error code if it failed).
+Prefill(spec, targets): add() with max_tokens=1 (own prefix cache). After every engine step
+the prompt tokens computed so far are exported in the canonical form and streamed to every
+target at once (dual path: all of it to RLD, only MD's missing suffix to MD), so the transfer
+overlaps the (chunked) prefill; the step that samples the first token exports the rest, the
+first token rides on the last chunk, and P releases the sequence into its prefix cache. The
+response stream reports `prefilled` and one `transfer_done` per target (with its error code).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -25,7 +27,7 @@ from pddjax.serving.worker import EngineWorker
 class PrefillService(cluster_pb2_grpc.PrefillServicer):
     def __init__(self, engine, model_config, info: dict):
         self.engine, self.cfg, self.info = engine, model_config, info
-        self.first: dict[str, asyncio.Future] = {}  # request -> first token
+        self.progress: dict[str, _Progress] = {}  # requests still prefilling (engine thread)
         self.pushes: dict[str, list[asyncio.Task]] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.worker: EngineWorker | None = None
@@ -33,15 +35,9 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
     def start(self, loop) -> None:
         self.worker = EngineWorker(self.engine, loop, self._on_step, name="engine-prefill")
 
-    def _on_step(self, events) -> None:
-        for ev in events:
-            fut = self.first.get(ev.seq_id)
-            if fut is not None and ev.position == 0:
-                self.worker.post(_resolve, fut, ev.token)
-
     async def Info(self, request, context):
-        pages, n = await self.worker.call(lambda e: (e.num_pages_active, len(e.seqs)))
-        return cluster_pb2.ServiceInfo(**self.info, pages_active=pages, requests=n)
+        pages, n, err = await self.worker.call(_info)
+        return cluster_pb2.ServiceInfo(**self.info, pages_active=pages, requests=n, integrity_error=err)
 
     async def MatchPrefix(self, request, context):
         S = self.engine.config.page_size
@@ -55,41 +51,34 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         err = validate_spec(self.cfg, rid, prompt, params, max_tokens)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
-        if rid in self.first or rid in self.pushes:
+        if rid in self.progress or rid in self.pushes:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already on prefill")
-        fut = asyncio.get_running_loop().create_future()
-        self.first[rid] = fut
+        targets, n = list(request.targets), len(prompt)
+        start0 = min(min((t.start for t in targets), default=n), n - 1)
+        st = _Progress(n, start0, [asyncio.Queue() for _ in targets], asyncio.get_running_loop().create_future())
+        self.progress[rid] = st
         t0 = time.perf_counter()
+
+        def admit(e):
+            seq = e.add(rid, prompt, params, 1, stop_ids, hold_on_finish=True)
+            self._export(e, rid, st, None)  # the part P's prefix cache already holds goes out at once
+            return seq.pages.num_cached
+
+        chunk_bytes = request.chunk_bytes or rpc.DEFAULT_CHUNK_BYTES
+        tasks: list[asyncio.Task] = []
         try:
             try:
-                cached = await self.worker.call(
-                    lambda e: e.add(rid, prompt, params, 1, stop_ids, hold_on_finish=True).pages.num_cached)
+                cached = await self.worker.call(admit)
             except OutOfPages:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the prefill pool cannot hold {len(prompt)} tokens now")
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the prefill pool cannot hold {n} tokens now")
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            first = await fut
-            targets = list(request.targets)
-            start0 = min((t.start for t in targets), default=len(prompt))
-            start0 = min(start0, len(prompt) - 1)
-
-            def export_and_release(e):
-                run = e.export_kv(rid, start0, len(prompt)) if targets else None
-                e.release(rid, cache=True)
-                return run
-
-            run = await self.worker.call(export_and_release)
-        except BaseException:
-            await self.worker.call(lambda e: e.release(rid, cache=False) if rid in e.seqs else None)
-            raise
-        finally:
-            self.first.pop(rid, None)
-        yield cluster_pb2.PrefillEvent(prefilled=cluster_pb2.Prefilled(
-            first_token=first, num_cached=cached, prefill_ms=1e3 * (time.perf_counter() - t0)))
-        chunk_bytes = request.chunk_bytes or rpc.DEFAULT_CHUNK_BYTES
-        tasks = [asyncio.create_task(self._push(rid, t, run, first, chunk_bytes)) for t in targets]
-        self.pushes[rid] = tasks
-        try:
+            tasks = [asyncio.create_task(self._push(rid, t, q, max(t.start, start0), n, chunk_bytes))
+                     for t, q in zip(targets, st.queues)]
+            self.pushes[rid] = tasks
+            first = await st.first
+            yield cluster_pb2.PrefillEvent(prefilled=cluster_pb2.Prefilled(
+                first_token=first, num_cached=cached, prefill_ms=1e3 * (time.perf_counter() - t0)))
             for done in asyncio.as_completed(tasks):
                 try:
                     ev = await done
@@ -100,22 +89,56 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
             self.pushes.pop(rid, None)
             for t in tasks:
                 t.cancel()
+            await self.worker.call(self._drop, rid)
 
-    async def _push(self, rid, target, run, first, chunk_bytes) -> cluster_pb2.TransferDone:
+    def _drop(self, e, rid) -> None:
+        """Engine thread: forget a request that ended early (cancelled, failed)."""
+        self.progress.pop(rid, None)
+        if rid in e.seqs:
+            e.release(rid, cache=False)
+
+    def _export(self, e, rid, st, first) -> None:
+        """Engine thread: send the prompt tokens computed since the last export to every target."""
+        seq = e.seqs[rid]
+        upto = min(seq.pages.num_tokens, st.n)
+        if upto > st.sent and st.queues:
+            run = e.export_kv(rid, st.sent, upto)
+            for q in st.queues:
+                self.worker.post(q.put_nowait, (run, first))
+            st.sent = upto
+
+    def _on_step(self, events) -> None:
+        firsts = {ev.seq_id: ev.token for ev in events if ev.position == 0}
+        for rid, st in list(self.progress.items()):
+            if rid not in self.engine.seqs:
+                continue
+            first = firsts.get(rid)
+            self._export(self.engine, rid, st, first)  # KV streams out while prefill continues
+            if first is not None:
+                self.worker.post(_resolve, st.first, first)
+                self.engine.release(rid, cache=True)  # into P's prefix cache; the KV is on the host now
+                del self.progress[rid]
+
+    async def _push(self, rid, target, q, start, end, chunk_bytes) -> cluster_pb2.TransferDone:
         ch = self.channels.get(target.address) or rpc.channel(target.address)
         self.channels[target.address] = ch
         stub = cluster_pb2_grpc.DecodeStub(ch)
-        known = [first] if target.include_first_token else []
-        pieces = list(kvwire.chunks(rid, run, max(target.start, run.start), known, chunk_bytes))
-        nbytes = sum(len(c.k) + len(c.v) for c in pieces)
+        chunker = kvwire.Chunker(rid, start, end, chunk_bytes)
+
+        async def stream():
+            while chunker.next_pos < end:
+                run, first = await q.get()
+                known = [first] if first is not None and target.include_first_token else []
+                for c in chunker.feed(run, known):
+                    yield c
+
         t0 = time.perf_counter()
-        done = cluster_pb2.TransferDone(role=target.role, bytes=nbytes, tokens=run.end - max(target.start, run.start),
-                                        chunks=len(pieces))
+        done = cluster_pb2.TransferDone(role=target.role, tokens=end - start)
         try:
-            await stub.PushKV(iter(pieces))
+            await stub.PushKV(stream())
         except grpc.aio.AioRpcError as e:
             done.code, done.error = e.code().value[0], e.details() or str(e.code())
-        done.ms = 1e3 * (time.perf_counter() - t0)
+        done.bytes, done.chunks, done.ms = chunker.bytes, chunker.seq, 1e3 * (time.perf_counter() - t0)
         return done
 
     async def Release(self, request, context):
@@ -127,6 +150,23 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         return cluster_pb2.ReleaseResponse(found=bool(tasks) or found)
 
 
+@dataclasses.dataclass
+class _Progress:
+    n: int  # prompt tokens
+    sent: int  # prompt KV exported up to here
+    queues: list  # one asyncio.Queue of (KVRun, first token or None) per target
+    first: asyncio.Future
+
+
 def _resolve(fut, value) -> None:
     if not fut.done():
         fut.set_result(value)
+
+
+def _info(e):
+    try:
+        e.check_integrity()
+        err = ""
+    except AssertionError as x:
+        err = str(x) or "check_integrity failed"
+    return e.num_pages_active, len(e.seqs), err

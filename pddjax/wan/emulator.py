@@ -104,6 +104,8 @@ class WanEmulator:
             t.add_done_callback(self._tasks.discard)
         try:
             await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:
+            pass  # end normally: Python 3.11's stream callback chokes on a cancelled handler task
         finally:  # both directions done (each half-closed its far side): close the sockets
             self._conns.discard(pair)
             for w in pair:
