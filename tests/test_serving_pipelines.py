@@ -21,7 +21,7 @@ from pddjax.kv.canonical import KVRun
 from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc
 from tests.serving_stack import Stack
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(400)  # a cold jit cache (CI) compiles in three processes
 
 STACK = {
     "model": "tiny", "platform": "cpu",
@@ -80,7 +80,7 @@ def test_pipeline_matches_reference(client, ref, stack, pipeline, handoff, sampl
     seed = hash((pipeline, handoff, bool(sampling))) % 1000
     p = prompt(37 + seed % 50, seed)
     r = client.generate(make_request(p, max_tokens=24, pipeline=pipeline, handoff=handoff, **(sampling or {})),
-                        timeout=60)
+                        timeout=240)
     assert r.token_ids == expected(ref, p, 24, sampling)
     assert len(r.sources) == len(r.token_ids) and r.pipeline != "auto"
     check_sources(r.pipeline, r.sources)
@@ -92,7 +92,7 @@ def test_long_prompt_streams_kv_while_prefilling(client, ref, pipeline):
     """300 tokens with a 128-token step budget: P prefills in 3 steps and streams each step's
     KV before the next; receivers import piece by piece; tokens stay exact."""
     p = prompt(300, 60 if pipeline == "pdd" else 61)
-    r = client.generate(make_request(p, max_tokens=16, pipeline=pipeline), timeout=60)
+    r = client.generate(make_request(p, max_tokens=16, pipeline=pipeline), timeout=240)
     assert r.token_ids == expected(ref, p, 16, None)
     assert r.usage["kv_bytes_to_main"] == 300 * BYTES_PER_TOKEN
 
@@ -108,7 +108,7 @@ def test_slow_link_pdd_starts_on_relay_ends_on_main(client, ref, stack, handoff)
         for attempt in range(6):
             p = prompt(120, 70 + attempt + (10 if handoff == "chunked" else 0))
             r = client.generate(make_request(p, max_tokens=380, pipeline="pdd", handoff=handoff, ignore_eos=True),
-                                timeout=60)
+                                timeout=240)
             assert r.token_ids == ref.generate(p, SamplingParams(), 380, ()).token_ids
             check_sources("pdd", r.sources)
             if r.usage["handoff_chunks"]:
@@ -127,11 +127,11 @@ def test_slow_link_pdd_starts_on_relay_ends_on_main(client, ref, stack, handoff)
 def test_second_turn_sends_main_only_the_new_suffix(client, ref, stack):
     p1 = prompt(100, 21)
     wan0 = stack.link.link.bytes_a_to_b
-    r1 = client.generate(make_request(p1, max_tokens=40, pipeline="pdd", ignore_eos=True), timeout=60)
+    r1 = client.generate(make_request(p1, max_tokens=40, pipeline="pdd", ignore_eos=True), timeout=240)
     wan1 = stack.link.link.bytes_a_to_b
     assert r1.usage["cached_on_main"] == 0 and r1.usage["kv_bytes_to_main"] == 100 * BYTES_PER_TOKEN
     p2 = p1 + r1.token_ids + prompt(20, 22)  # the next turn: whole context plus a new message
-    r2 = client.generate(make_request(p2, max_tokens=8, pipeline="pdd", ignore_eos=True), timeout=60)
+    r2 = client.generate(make_request(p2, max_tokens=8, pipeline="pdd", ignore_eos=True), timeout=240)
     wan2 = stack.link.link.bytes_a_to_b
     assert r2.token_ids == ref.generate(p2, SamplingParams(), 8, ()).token_ids
     # MD's DRC holds turn one's context (prompt + answer, full 16-token pages): only the rest crosses
@@ -183,13 +183,13 @@ def test_generate_cli_through_the_router(stack, ref):
     p = prompt(30, 41)
     out = subprocess.run([sys.executable, "-m", "pddjax", "generate", "--router", stack.addr["router"], "--prompt-ids",
                           ",".join(map(str, p)), "--max-tokens", "10", "--pipeline", "pdd", "--handoff", "chunked",
-                          "--json"], capture_output=True, text=True, timeout=60)
+                          "--json"], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     j = json.loads(out.stdout)
     assert j["token_ids"] == expected(ref, p, 10, None) and j["pipeline"] == "pdd" and j["ttft_ms"] > 0
     assert len(j["sources"]) == len(j["token_ids"]) and j["sources"][0] == "relay"
     bad = subprocess.run([sys.executable, "-m", "pddjax", "generate", "--router", stack.addr["router"], "--prompt-ids",
-                          "1,2,100000", "--json"], capture_output=True, text=True, timeout=60)
+                          "1,2,100000", "--json"], capture_output=True, text=True, timeout=240)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "INVALID_ARGUMENT" in bad.stderr
 
 
@@ -199,7 +199,7 @@ def test_cancel_releases_every_tier(stack, client, ref, pipeline):
     stack.link.set(mbps=2.0)
     try:
         call = client.stream(make_request(prompt(120, 90), max_tokens=380, pipeline=pipeline, ignore_eos=True),
-                             timeout=60)
+                             timeout=240)
         got = 0
         for msg in call:
             got += len(msg.token_ids)
@@ -210,7 +210,7 @@ def test_cancel_releases_every_tier(stack, client, ref, pipeline):
         stack.link.set()
     assert_idle(stack)
     p = prompt(30, 91)
-    assert client.generate(make_request(p, max_tokens=6, pipeline=pipeline), timeout=60).token_ids == \
+    assert client.generate(make_request(p, max_tokens=6, pipeline=pipeline), timeout=240).token_ids == \
         expected(ref, p, 6, None)
 
 

@@ -1,90 +1,81 @@
-"""A slowable A -> B link: an asyncio TCP proxy with a bandwidth cap and one-way latency per
-direction, counting bytes. `pddjax up` puts it between cluster A (P, RLD) and MD.
+"""The A -> B link of `pddjax up` and `pddjax bench serve`: a thin adapter over the WAN
+emulator (`pddjax.wan.emulator.WanEmulator`), keeping the small interface the stack uses.
 
-Each direction is a FIFO "wire": a read of n bytes finishes transmitting at
-max(now, wire free) + n * 8 / bandwidth and arrives `latency` later, in order.
-Settings can change while running (tests slow the link between requests).
+Both directions are shaped alike (bandwidth, one-way latency, jitter, bandwidth trace, stalls);
+bytes are counted each way. `mbps` and `latency_ms` can be changed while running (tests slow
+the link between requests); the emulator keeps its byte counters and queue across changes.
+The token bucket defaults to 1 byte (pure rate, no burst), the old link's behaviour; pass
+`burst_bytes` for a real bucket.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
+import dataclasses
+
+from pddjax.wan.emulator import A_TO_B, B_TO_A, WanEmulator
+from pddjax.wan.shaping import LinkProfile
 
 
 class WanLink:
-    def __init__(self, target_host: str, target_port: int, mbps: float = 0.0, latency_ms: float = 0.0):
-        self.target = (target_host, target_port)
-        self.mbps, self.latency_ms = mbps, latency_ms
-        self.bytes_a_to_b = 0  # client -> target (the KV and handoff direction)
-        self.bytes_b_to_a = 0
-        self.connections = 0
-        self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task] = set()
+    def __init__(self, target_host: str, target_port: int, mbps: float = 0.0, latency_ms: float = 0.0, *,
+                 jitter_ms: float = 0.0, jitter_dist: str = "normal", trace: list | None = None,
+                 stalls: list | None = None, burst_bytes: int = 1, seed: int = 0):
+        profile = LinkProfile(mbps=float(mbps), latency_ms=float(latency_ms), jitter_ms=float(jitter_ms),
+                              jitter_dist=jitter_dist, burst_bytes=int(burst_bytes),
+                              trace=[(float(t), float(m)) for t, m in (trace or [])],
+                              stalls=[(float(s), float(d)) for s, d in (stalls or [])], seed=int(seed))
+        profile.validate()
+        self.target = (target_host, int(target_port))
+        self.emulator = WanEmulator(f"{target_host}:{target_port}", profile, dataclasses.replace(profile))
+
+    @classmethod
+    def from_settings(cls, target: str, wan: dict) -> "WanLink":
+        """From a stack config's `[wan]` table: mbps, latency_ms, jitter_ms, jitter_dist, trace
+        ([[t_s, mbps], ...]), stalls ([[start_s, dur_s], ...]), burst_bytes, seed."""
+        host, port = target.rsplit(":", 1)
+        known = {"mbps", "latency_ms", "jitter_ms", "jitter_dist", "trace", "stalls", "burst_bytes", "seed"}
+        return cls(host, int(port), **{k: v for k, v in wan.items() if k in known})
+
+    # ---- the interface up.py and the tests use ---------------------------------------
+    @property
+    def mbps(self) -> float:
+        return self.emulator.profile.mbps
+
+    @mbps.setter
+    def mbps(self, value: float) -> None:
+        self._set(mbps=float(value))
+
+    @property
+    def latency_ms(self) -> float:
+        return self.emulator.profile.latency_ms
+
+    @latency_ms.setter
+    def latency_ms(self, value: float) -> None:
+        self._set(latency_ms=float(value))
+
+    @property
+    def bytes_a_to_b(self) -> int:  # client -> target (the KV and handoff direction)
+        return self.emulator.wires[A_TO_B].bytes
+
+    @property
+    def bytes_b_to_a(self) -> int:
+        return self.emulator.wires[B_TO_A].bytes
+
+    @property
+    def connections(self) -> int:
+        return self.emulator.connections
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._server = await asyncio.start_server(self._handle, host, port)
-        h, p = self._server.sockets[0].getsockname()[:2]
-        return f"{h}:{p}"
+        return await self.emulator.start(host, port)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for t in list(self._tasks):
-            t.cancel()
+        await self.emulator.close()
 
     def stats(self) -> dict:
-        return {"mbps": self.mbps, "latency_ms": self.latency_ms, "bytes_a_to_b": self.bytes_a_to_b,
+        p = self.emulator.profile
+        return {"mbps": p.mbps, "latency_ms": p.latency_ms, "jitter_ms": p.jitter_ms, "jitter_dist": p.jitter_dist,
+                "trace_steps": len(p.trace), "stalls": len(p.stalls), "bytes_a_to_b": self.bytes_a_to_b,
                 "bytes_b_to_a": self.bytes_b_to_a, "connections": self.connections}
 
-    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
-        try:
-            tr, tw = await asyncio.open_connection(*self.target)
-        except OSError:
-            cw.close()
-            return
-        self.connections += 1
-        for coro in (self._pipe(cr, tw, True), self._pipe(tr, cw, False)):
-            t = asyncio.create_task(coro)
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
-
-    async def _pipe(self, reader, writer, a_to_b: bool) -> None:
-        q: asyncio.Queue = asyncio.Queue()
-        free_at = 0.0
-
-        async def deliver():
-            while True:
-                at, data = await q.get()
-                if data is None:
-                    break
-                delay = at - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                writer.write(data)
-                await writer.drain()
-
-        sender = asyncio.create_task(deliver())
-        try:
-            while True:
-                data = await reader.read(64 * 1024)
-                if not data:
-                    break
-                if a_to_b:
-                    self.bytes_a_to_b += len(data)
-                else:
-                    self.bytes_b_to_a += len(data)
-                now = time.monotonic()
-                tx = len(data) * 8 / (self.mbps * 1e6) if self.mbps > 0 else 0.0
-                free_at = max(now, free_at) + tx
-                q.put_nowait((free_at + self.latency_ms / 1e3, data))
-            q.put_nowait((0.0, None))
-            await sender
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            sender.cancel()
-            try:
-                writer.close()
-            except Exception:  # noqa: BLE001
-                pass
+    def _set(self, **change) -> None:
+        self.emulator.set_profile(dataclasses.replace(self.emulator.profile, **change))

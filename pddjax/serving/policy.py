@@ -1,0 +1,188 @@
+"""The router's decisions, as plain Python (no gRPC, no JAX): which pipeline a request takes,
+how RLD hands off, and the running estimates they rest on.
+
+`decide(Inputs, PolicyConfig) -> Decision`, in order:
+  1. delta = prompt tokens MD's DRC lacks; delta bytes = delta * KV bytes per token;
+     transfer time = link latency + (bytes queued on the link + delta bytes) / measured throughput.
+  2. transfer time <= TTFT budget -> **pd-cross** (P-MD: the delta reaches MD in time, RLD unused).
+  3. otherwise the whole output (max tokens, or the session's predicted output when shorter)
+     at RLD's speed: RLD would finish it before MD holds the KV -> singular traffic, unless
+       - the filtered share of recent decisions has reached the cap (-> pdd, "cap"), or
+       - the session's MD hit lags its P hit by more than the drift tolerance (-> pdd, "drift"):
+     singular -> **pd-local**, the WAN transfer cancelled; a request with a session id still gets
+     its context to MD afterwards (`sync_main`: a low-priority background push), so the
+     session's later turns hit MD (the drift-loop guard).
+  4. else **pdd** (P-RLD-MD: RLD masks the transfer).
+
+Handoff: RLD hands off one-shot when at most `threshold` tokens are pending, else in chunks
+(`handoff_mode`); the router predicts the pending count for the explanation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+PD_CROSS, PDD, PD_LOCAL = "pd-cross", "pdd", "pd-local"
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    ttft_budget_s: float = 0.5  # extra TTFT a request may wait for its KV to reach MD
+    filter_cap: float = 0.05  # at most this share of recent decisions is filtered (pd-local)
+    filter_window: int = 200  # decisions the share is measured over
+    drift_tolerance: float = 0.2  # session MD hit may lag its P hit by this fraction of the prompt
+    handoff_threshold: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    prompt_tokens: int
+    max_tokens: int
+    hit_prefill: int  # prompt tokens P's prefix cache holds
+    hit_main: int  # prompt tokens MD's DRC holds
+    kv_bytes_per_token: int
+    wan_bytes_per_s: float  # measured A -> B throughput
+    wan_latency_s: float
+    wan_queue_bytes: int  # bytes already queued on the link to this MD
+    rld_tokens_per_s: float  # RLD's measured decode speed for one request
+    filtered_share: float = 0.0  # of the last filter_window decisions
+    session_id: str = ""
+    predicted_output: int | None = None  # from the session's earlier turns
+    session_drift: float = 0.0  # mean (P hit - MD hit) / prompt over the session's turns
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    pipeline: str  # pd-cross | pdd | pd-local
+    reason: str  # fast-delta | mask | singular | cap | drift
+    delta_tokens: int
+    delta_bytes: int
+    transfer_s: float
+    output_tokens: int  # the output estimate used
+    rld_finish_s: float  # RLD alone would finish the output in this time
+    sync_main: bool = False  # pd-local: push the session's context to MD in the background
+    handoff_pending: int = 0  # pdd: tokens RLD is predicted to hold at handoff
+
+    def explain(self, i: Inputs) -> str:
+        s = (f"{self.pipeline} ({self.reason}): hit P {i.hit_prefill}/{i.prompt_tokens}, "
+             f"MD {i.hit_main}/{i.prompt_tokens}; delta {self.delta_tokens} tok = {self.delta_bytes} B; "
+             f"est. transfer {1e3 * self.transfer_s:.0f} ms at {8 * i.wan_bytes_per_s / 1e6:.1f} Mb/s "
+             f"(+{i.wan_queue_bytes} B queued); RLD {self.output_tokens} tok in {1e3 * self.rld_finish_s:.0f} ms")
+        if self.pipeline == PDD:
+            s += f"; ~{self.handoff_pending} tok pending at handoff"
+        if self.pipeline == PD_LOCAL:
+            s += "; WAN transfer cancelled" + (", context synced to MD in the background" if self.sync_main else "")
+        return s
+
+
+def transfer_time(delta_bytes: int, i: Inputs) -> float:
+    if delta_bytes == 0:
+        return 0.0
+    return i.wan_latency_s + (i.wan_queue_bytes + delta_bytes) / max(i.wan_bytes_per_s, 1.0)
+
+
+def decide(i: Inputs, c: PolicyConfig) -> Decision:
+    delta = max(i.prompt_tokens - i.hit_main, 0)
+    delta_bytes = delta * i.kv_bytes_per_token
+    t = transfer_time(delta_bytes, i)
+    out = i.max_tokens if i.predicted_output is None else max(1, min(i.max_tokens, i.predicted_output))
+    rld_s = out / max(i.rld_tokens_per_s, 1e-6)
+    d = dict(delta_tokens=delta, delta_bytes=delta_bytes, transfer_s=t, output_tokens=out, rld_finish_s=rld_s)
+    if t <= c.ttft_budget_s:
+        return Decision(PD_CROSS, "fast-delta", **d)
+    pending = min(i.max_tokens, int(t * i.rld_tokens_per_s))
+    if rld_s < t:
+        if i.filtered_share >= c.filter_cap:
+            return Decision(PDD, "cap", handoff_pending=pending, **d)
+        if i.session_drift > c.drift_tolerance:
+            return Decision(PDD, "drift", handoff_pending=pending, **d)
+        return Decision(PD_LOCAL, "singular", sync_main=bool(i.session_id), **d)
+    return Decision(PDD, "mask", handoff_pending=pending, **d)
+
+
+def handoff_mode(pending: int, threshold: int) -> str:
+    """RLD's rule at handoff time: chunks while more than `threshold` tokens are pending."""
+    return "chunked" if pending > threshold else "one-shot"
+
+
+class Ewma:
+    """A running estimate: the prior until the first sample, then an exponential average."""
+
+    def __init__(self, prior: float, alpha: float = 0.3):
+        self.value, self.alpha, self.samples = prior, alpha, 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.samples == 0 else (1 - self.alpha) * self.value + self.alpha * x
+        self.samples += 1
+
+
+class LinkEstimator:
+    """Throughput and latency of one A -> B link from completed transfers, plus its queue.
+
+    A transfer of `bytes` that took `seconds` (first chunk to acknowledgement) is read as
+    latency + bytes / throughput: transfers under `min_bytes` only update the latency,
+    larger ones the throughput (after subtracting the latency estimate)."""
+
+    def __init__(self, prior_mbps: float, prior_latency_s: float, min_bytes: int = 64 * 1024):
+        self.throughput = Ewma(prior_mbps * 1e6 / 8)  # bytes/s
+        self.latency = Ewma(prior_latency_s)
+        self.min_bytes = min_bytes
+        self.queued = 0  # bytes of transfers started and not yet completed
+
+    def start(self, nbytes: int) -> None:
+        self.queued += nbytes
+
+    def done(self, planned: int, nbytes: int, seconds: float, ok: bool = True) -> None:
+        self.queued = max(0, self.queued - planned)
+        if not ok or seconds <= 0:
+            return
+        if nbytes < self.min_bytes:
+            self.latency.add(seconds)
+        else:
+            self.throughput.add(nbytes / max(seconds - self.latency.value, 0.1 * seconds))
+
+
+class SessionTracker:
+    """Per session: P hit vs MD hit per turn (the drift guard) and output lengths (prediction)."""
+
+    def __init__(self, max_sessions: int = 10_000, turns: int = 4):
+        self.sessions: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self.max_sessions, self.turns = max_sessions, turns
+
+    def _get(self, sid: str) -> dict:
+        s = self.sessions.pop(sid, None) or {"drift": collections.deque(maxlen=self.turns),
+                                             "outputs": collections.deque(maxlen=self.turns)}
+        self.sessions[sid] = s  # most recently used last
+        while len(self.sessions) > self.max_sessions:
+            self.sessions.popitem(last=False)
+        return s
+
+    def drift(self, sid: str) -> float:
+        s = self.sessions.get(sid)
+        return sum(s["drift"]) / len(s["drift"]) if s and s["drift"] else 0.0
+
+    def predicted_output(self, sid: str) -> int | None:
+        s = self.sessions.get(sid)
+        return max(s["outputs"]) if s and s["outputs"] else None
+
+    def record_hits(self, sid: str, prompt_tokens: int, hit_prefill: int, hit_main: int) -> None:
+        if sid and prompt_tokens:
+            self._get(sid)["drift"].append(max(hit_prefill - hit_main, 0) / prompt_tokens)
+
+    def record_output(self, sid: str, tokens: int) -> None:
+        if sid:
+            self._get(sid)["outputs"].append(tokens)
+
+
+class FilterWindow:
+    """The filtered share of the last `size` decisions (the singular filter's cap)."""
+
+    def __init__(self, size: int):
+        self.window: collections.deque[bool] = collections.deque(maxlen=max(size, 1))
+
+    def share(self) -> float:
+        return sum(self.window) / len(self.window) if self.window else 0.0
+
+    def add(self, filtered: bool) -> None:
+        self.window.append(filtered)
