@@ -1,5 +1,6 @@
 """`pddjax bench ...`: benchmarks that print figures (never timed unit tests).
 
+- `bench serve` (pddjax/serving/bench_serve.py): the agentic trace through pdd, pd-cross, pd-local.
 - `bench reference`: real-model load time (GGUF cold vs orbax cache), prefill tokens/s at a
   512-token prompt, decode tokens/s at batch 1, all through the monolithic reference engine.
 """
@@ -26,7 +27,7 @@ def register(sub) -> None:
     r.set_defaults(func=run_reference)
     import importlib.util
 
-    for name in ("pddjax.engines.bench_engine", "pddjax.serving.bench_handoff"):
+    for name in ("pddjax.engines.bench_engine", "pddjax.serving.bench_handoff", "pddjax.serving.bench_serve"):
         if importlib.util.find_spec(name) is not None:
             importlib.import_module(name).register(bsub)
 

@@ -161,3 +161,29 @@ def test_kernel_lowers_to_triton_for_cuda():
                                backend="gpu", interpret=False)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
+
+
+def test_whole_pool_with_layer_index_reads_that_layer():
+    """The engine hands the kernel the 5-D pool and a (traced) layer index: same result as
+    the layer's own slice, with no slice materialized."""
+    rows = [("decode", 1, 30), ("extend", 5, 20), ("empty", 1, 0), ("prefill", 12, 9)]
+    q, k, v, cu, kv, pt = make_batch(rows, 7, 8, 3, "float32")
+    L = 3
+    k5 = jnp.stack([k * (l + 1) for l in range(L)])  # [L, KH, P, S, D]
+    v5 = jnp.stack([v - l for l in range(L)])
+    for impl in ("xla", "pallas"):
+        f = jax.jit(functools.partial(paged_attention, max_q_len=MAX_Q_LEN, sm_scale=SCALE, impl=impl))
+        for layer in (0, 2):
+            got = f(q, k5, v5, cu, kv, pt, layer=jnp.int32(layer))
+            want = compiled("xla")(q, k5[layer], v5[layer], cu, kv, pt)
+            np.testing.assert_allclose(as_np(got), as_np(want), atol=2e-5, rtol=0)
+
+
+def test_whole_pool_kernel_lowers_to_triton_for_cuda():
+    T, H, KH, D, P, S, B, MP, L = 8, 9, 3, 64, 33, 16, 4, 8, 30
+    shapes = [((T, H, D), jnp.bfloat16), ((L, KH, P, S, D), jnp.bfloat16), ((L, KH, P, S, D), jnp.bfloat16),
+              ((B + 1,), jnp.int32), ((B,), jnp.int32), ((B, MP), jnp.int32), ((), jnp.int32)]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    fn = functools.partial(paged_attention_pallas, max_q_len=1, sm_scale=0.125, backend="gpu", interpret=False)
+    text = jax.jit(lambda *a: fn(*a[:6], layer=a[6])).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zlib
 
 import grpc
 import numpy as np
@@ -77,7 +78,7 @@ def check_sources(pipeline, sources):
 @pytest.mark.parametrize("pipeline,handoff", [("pdd", "one-shot"), ("pdd", "chunked"), ("pd-cross", None),
                                               ("pd-local", None), ("auto", None)])
 def test_pipeline_matches_reference(client, ref, stack, pipeline, handoff, sampling):
-    seed = hash((pipeline, handoff, bool(sampling))) % 1000
+    seed = zlib.crc32(f"{pipeline}{handoff}{bool(sampling)}".encode()) % 1000  # stable across runs
     p = prompt(37 + seed % 50, seed)
     r = client.generate(make_request(p, max_tokens=24, pipeline=pipeline, handoff=handoff, **(sampling or {})),
                         timeout=240)

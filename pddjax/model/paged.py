@@ -36,7 +36,8 @@ def forward_paged(w: Weights, cfg: ModelConfig, batch: PackedBatch, pool: KVPool
     """-> (logits [B, V] float32 at each row's last token, pool with the new tokens' K/V).
 
     Per layer, the new tokens' K/V go into their pages, then attention reads the pages
-    (in place for Pallas; XLA has no paged op and gathers each row's pages first: on CPU that
+    (Pallas: in place, in the whole pool at layer i, no per-layer slice is materialized;
+    XLA has no paged op and gathers each row's pages first: on CPU that
     copy, at this machine's few GB/s, is what decode at large batch pays for). A variant that
     gathered all layers once before the scan measured no faster and needs 30x the memory."""
     h = nn.embed(w, batch.tokens)  # [T, E]
@@ -49,8 +50,8 @@ def forward_paged(w: Weights, cfg: ModelConfig, batch: PackedBatch, pool: KVPool
         # x[i, :, pages, offsets] puts the token axis first: value [T, K, D]
         kp = kp.at[i, :, batch.slot_pages, batch.slot_offsets].set(k.astype(kp.dtype))
         vp = vp.at[i, :, batch.slot_pages, batch.slot_offsets].set(v.astype(vp.dtype))
-        o = paged_attention(q, kp[i], vp[i], batch.cu_q_lens, batch.kv_lens, batch.page_tables,
-                            max_q_len=max_q_len, sm_scale=sm_scale, impl=impl)  # [T, H, D]
+        o = paged_attention(q, kp, vp, batch.cu_q_lens, batch.kv_lens, batch.page_tables,
+                            max_q_len=max_q_len, sm_scale=sm_scale, impl=impl, layer=i)  # [T, H, D]
         h = nn.attn_out(layer, h, o)
         h = nn.mlp(layer, h, cfg)
         return (h, kp, vp), None

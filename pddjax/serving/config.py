@@ -8,9 +8,11 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
     dtype = "float32"; page_size = 16; num_pages = 256; attention = "xla"
     max_step_tokens = 256; max_rows = 32; prefix_cache = true
     [prefill] / [relay] / [main]    # per-role overrides of the above (+ port, platform, model)
-    [router]                  # port, prefill/relay/main addresses, main_wan (MD as cluster A
-                              # reaches it), handoff ("one-shot" | "chunked"), handoff_threshold,
-                              # chunk_bytes, auto_hit_fraction, auto_local_max_tokens
+    [router]                  # port; prefill/relay/main: address lists (several instances per
+                              # role), main_wan (MD as cluster A reaches it, parallel to main);
+                              # handoff ("auto" | "one-shot" | "chunked"), handoff_threshold,
+                              # chunk_bytes; auto policy: ttft_budget_ms, filter_cap, filter_window,
+                              # drift_tolerance, *_prior estimates; health_interval_s/_timeout_s
     [wan]                     # mbps (0 = unlimited), latency_ms  (pddjax up's A -> B link)
 
 Swapping a cluster's hardware is a change of `platform`, `dtype`, `page_size`, `attention`
@@ -32,15 +34,29 @@ _ENGINE_KEYS = {"dtype", "page_size", "num_pages", "attention", "max_step_tokens
 
 @dataclasses.dataclass
 class RouterSettings:
-    prefill: str = ""
-    relay: str = ""
-    main: str = ""
-    main_wan: str = ""  # how P and RLD reach MD (through the WAN link); defaults to `main`
-    handoff: str = "one-shot"  # default handoff mode: "one-shot" | "chunked"
+    prefill: list[str] = dataclasses.field(default_factory=list)  # P instances (a string = one)
+    relay: list[str] = dataclasses.field(default_factory=list)
+    main: list[str] = dataclasses.field(default_factory=list)
+    main_wan: list[str] = dataclasses.field(default_factory=list)  # MD as cluster A reaches it (parallel to main)
+    handoff: str = "auto"  # "auto" (chunked while more than the threshold is pending) | "one-shot" | "chunked"
     handoff_threshold: int = 64
     chunk_bytes: int = 2 * 1024 * 1024
-    auto_hit_fraction: float = 0.75  # auto: MD holding at least this much of the prompt -> pd-cross
-    auto_local_max_tokens: int = 4  # auto: low hit and at most this many tokens -> pd-local
+    ttft_budget_ms: float = 500.0  # auto: pd-cross when MD's KV delta arrives within this
+    filter_cap: float = 0.05  # auto: at most this share of recent requests filtered to pd-local
+    filter_window: int = 200
+    drift_tolerance: float = 0.2  # auto: no filter for a session whose MD hit lags P's by more
+    wan_mbps_prior: float = 1000.0  # link estimates before the first measured transfer
+    wan_latency_ms_prior: float = 20.0
+    rld_tokens_per_s_prior: float = 50.0
+    health_interval_s: float = 1.0  # grpc.health.v1 checks of every instance
+    health_timeout_s: float = 2.0
+
+    def __post_init__(self):
+        for f in ("prefill", "relay", "main", "main_wan"):
+            v = getattr(self, f)
+            setattr(self, f, [a for a in v.split(",") if a] if isinstance(v, str) else list(v))
+        if self.main_wan and len(self.main_wan) != len(self.main):
+            raise UserError(f"[router] main_wan lists {len(self.main_wan)} addresses for {len(self.main)} main instances")
 
 
 @dataclasses.dataclass
@@ -81,8 +97,8 @@ def service_config(stack: dict, role: str, port: int | None = None) -> ServiceCo
         if unknown:
             raise UserError(f"unknown [router] key {sorted(unknown)[0]!r}")
         cfg.router = RouterSettings(**section)
-        if cfg.router.handoff not in ("one-shot", "chunked"):
-            raise UserError(f"[router] handoff must be one-shot or chunked, got {cfg.router.handoff!r}")
+        if cfg.router.handoff not in ("auto", "one-shot", "chunked"):
+            raise UserError(f"[router] handoff must be auto, one-shot or chunked, got {cfg.router.handoff!r}")
         return cfg
     engine = {**stack.get("engine", {}), **section}
     unknown = set(engine) - _ENGINE_KEYS

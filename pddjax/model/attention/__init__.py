@@ -25,8 +25,14 @@ def paged_attention(
     max_q_len: int,
     sm_scale: float,
     impl: str = "xla",
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
-    """[T, H, D] attention output in q.dtype; padding tokens give zeros."""
+    """[T, H, D] attention output in q.dtype; padding tokens give zeros.
+
+    With `layer`, k_pages/v_pages are the whole pool [L, KH, P, S, D]: Pallas reads that
+    layer's pages in place; XLA slices the layer out first."""
+    if layer is not None and impl == "xla":
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
     if impl == "xla":
         return paged_attention_xla(
             q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables,
@@ -37,7 +43,7 @@ def paged_attention(
 
         return paged_attention_pallas(
             q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables,
-            max_q_len=max_q_len, sm_scale=sm_scale,
+            max_q_len=max_q_len, sm_scale=sm_scale, layer=layer,
         )
     raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
 

@@ -98,21 +98,21 @@ def choose_blocks(
     return Blocks(block_q, hps, max(1, 64 // page_size))
 
 
-def _load_kv_block(k_ref, v_ref, pages, page_size, head_dim):
-    # pages: [ppb] page ids -> k, v: [ppb * S, D] (gather from the kv head's pool)
+def _load_kv_block(k_ref, v_ref, layer, pages, page_size, head_dim):
+    # layer: [] ; pages: [ppb] page ids -> k, v: [ppb * S, D] (gather from the kv head's pool)
     n = pages.shape[0] * page_size
-    return k_ref[pages].reshape(n, head_dim), v_ref[pages].reshape(n, head_dim)
+    return k_ref[layer, pages].reshape(n, head_dim), v_ref[layer, pages].reshape(n, head_dim)
 
 
-def _kernel(q_len_ref, kv_len_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs,
+def _kernel(q_len_ref, kv_len_ref, layer_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs,
             sm_scale: float, blocks: Blocks, page_size: int, blocks_per_split: int):
-    # q_len_ref, kv_len_ref: [1]; pt_ref: [MPp]; q_ref, o_ref: [R, D] (R = block_q * hps);
-    # k_ref, v_ref: [P, S, D] (one kv head's pool); ml_refs (kv_splits > 1): m, l [R]
+    # q_len_ref, kv_len_ref, layer_ref: [1]; pt_ref: [MPp]; q_ref, o_ref: [R, D] (R = block_q * hps);
+    # k_ref, v_ref: [L, P, S, D] (one kv head's pool, every layer); ml_refs (kv_splits > 1): m, l [R]
     rows, head_dim = q_ref.shape
     bq, hps, ppb = blocks.block_q, blocks.heads_per_step, blocks.pages_per_block
     block_kv = ppb * page_size
     qb = pl.program_id(1)
-    q_len, kv_len = q_len_ref[0], kv_len_ref[0]
+    q_len, kv_len, layer = q_len_ref[0], kv_len_ref[0], layer_ref[0]
 
     q = q_ref[...]
     tok = qb * bq + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // hps  # [R, 1]
@@ -125,7 +125,7 @@ def _kernel(q_len_ref, kv_len_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs,
     def body(j, carry):
         acc, m, l = carry  # [R, D], [R], [R] float32
         pages = pt_ref[pl.ds(j * ppb, ppb)]  # [ppb]
-        k, v = _load_kv_block(k_ref, v_ref, pages, page_size, head_dim)  # [BK, D]
+        k, v = _load_kv_block(k_ref, v_ref, layer, pages, page_size, head_dim)  # [BK, D]
         # 'rd,kd->rk'
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_EXACT,
                             preferred_element_type=jnp.float32) * sm_scale  # [R, BK]
@@ -164,14 +164,22 @@ def paged_attention_pallas(
     *,
     max_q_len: int,
     sm_scale: float,
+    layer: jax.Array | int | None = None,
     blocks: Blocks | None = None,
     backend: str | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    # q: [T, H, D]; k_pages, v_pages: [KH, P, S, D]; cu_q_lens: [B+1]; kv_lens: [B];
-    # page_tables: [B, MP]  ->  [T, H, D] in q.dtype (padding tokens: zeros)
+    # q: [T, H, D]; k_pages, v_pages: [KH, P, S, D], or the whole pool [L, KH, P, S, D] with
+    # `layer` (a traced scalar is fine): the kernel then reads that layer's pages in place, so
+    # a per-layer slice of the pool (a copy of it) is never made; cu_q_lens: [B+1];
+    # kv_lens: [B]; page_tables: [B, MP]  ->  [T, H, D] in q.dtype (padding tokens: zeros)
+    if k_pages.ndim == 4:  # one layer: a free leading axis
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    elif layer is None:
+        raise ValueError("a 5-D KV pool [L, KH, P, S, D] needs `layer`")
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     num_rows, max_pages = page_tables.shape
     group = num_heads // num_kv_heads
     backend = backend or jax.default_backend()
@@ -223,19 +231,20 @@ def paged_attention_pallas(
         in_specs=[
             pl.BlockSpec((1,), lambda b, i, h, s: (b,)),  # q_lens
             pl.BlockSpec((1,), lambda b, i, h, s: (b,)),  # kv_lens
+            pl.BlockSpec((1,), lambda b, i, h, s: (0,)),  # layer
             pl.BlockSpec((None, mp_pad), lambda b, i, h, s: (b, 0)),  # page table row
             pl.BlockSpec((None, None, rows, head_dim), lambda b, i, h, s: (b, h, i, 0)),  # q tile
-            pl.BlockSpec((None, num_pages, page_size, head_dim),
-                         lambda b, i, h, s: (h // n_sub, 0, 0, 0)),  # k pool of kv head
-            pl.BlockSpec((None, num_pages, page_size, head_dim),
-                         lambda b, i, h, s: (h // n_sub, 0, 0, 0)),  # v pool of kv head
+            pl.BlockSpec((num_layers, None, num_pages, page_size, head_dim),
+                         lambda b, i, h, s: (0, h // n_sub, 0, 0, 0)),  # k pool of kv head
+            pl.BlockSpec((num_layers, None, num_pages, page_size, head_dim),
+                         lambda b, i, h, s: (0, h // n_sub, 0, 0, 0)),  # v pool of kv head
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=compiler_params,
         name="ragged_paged_attention",
-    )(q_lens, kv_lens, pt, qb, k_pages, v_pages)
+    )(q_lens, kv_lens, layer, pt, qb, k_pages, v_pages)
     if splits == 1:
         out = res[0]
     else:  # merge kv splits: weights l_s * exp(m_s - max m), float32

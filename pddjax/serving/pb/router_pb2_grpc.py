@@ -39,6 +39,11 @@ class RouterStub:
                 request_serializer=pddjax_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pddjax_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/pddjax.v1.Router/Stats',
+                request_serializer=pddjax_dot_v1_dot_router__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pddjax_dot_v1_dot_router__pb2.StatsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -50,6 +55,13 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """decision counters, estimates, instances
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pddjax_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=pddjax_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=pddjax_dot_v1_dot_router__pb2.StatsRequest.FromString,
+                    response_serializer=pddjax_dot_v1_dot_router__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class Router:
             '/pddjax.v1.Router/Generate',
             pddjax_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             pddjax_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pddjax.v1.Router/Stats',
+            pddjax_dot_v1_dot_router__pb2.StatsRequest.SerializeToString,
+            pddjax_dot_v1_dot_router__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
