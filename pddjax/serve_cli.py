@@ -27,6 +27,8 @@ def register(sub) -> None:
     u.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override every engine's dtype")
     u.add_argument("--wan-mbps", type=float, help="A -> B bandwidth in Mb/s (0 = unlimited)")
     u.add_argument("--wan-latency-ms", type=float, help="A -> B one-way latency in ms")
+    u.add_argument("--instances", default="1,1,1", metavar="P,R,M",
+                   help="how many prefill, relay and main instances to start (default 1,1,1)")
     u.set_defaults(func=run_up)
 
 
@@ -94,4 +96,10 @@ def load_stack(args) -> dict:
 def run_up(args) -> int:
     from pddjax.serving.up import run_stack
 
-    return asyncio.run(run_stack(load_stack(args), args.port, args.state))
+    try:
+        instances = tuple(int(x) for x in args.instances.split(","))
+    except ValueError:
+        instances = ()
+    if len(instances) != 3 or min(instances) < 1:
+        raise UserError(f"--instances wants three counts >= 1 like 2,2,2, got {args.instances!r}")
+    return asyncio.run(run_stack(load_stack(args), args.port, args.state, instances=instances))

@@ -1,5 +1,5 @@
-"""The real model (SmolLM2-135M) through `pddjax up`: a pdd request on a short prompt returns
-exactly the monolithic float32 reference's tokens, starting on RLD and ending on MD."""
+"""The real model (SmolLM2-135M) through `pddjax up`: every pipeline returns exactly the
+monolithic float32 reference's tokens (greedy and seeded), pdd starting on RLD and ending on MD."""
 
 from __future__ import annotations
 
@@ -12,25 +12,43 @@ from pddjax.model.sampling import SamplingParams
 from pddjax.serving.client import Client, make_request
 from tests.serving_stack import UpProcess
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(400)]
 
 STACK = {"model": "smollm2-135m", "platform": "cpu",
-         "engine": {"dtype": "float32", "page_size": 16, "num_pages": 48, "max_step_tokens": 64, "max_rows": 4},
+         "engine": {"dtype": "float32", "page_size": 16, "num_pages": 64, "max_step_tokens": 64, "max_rows": 4},
          "router": {"handoff": "one-shot"}, "wan": {"latency_ms": 20}}
+SEEDED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 7}
+CASES = [  # (prompt, pipeline, handoff, sampling)
+    ("The capital of France is", "pdd", "one-shot", None),
+    ("def add(a, b):\n    return", "pdd", "chunked", SEEDED),
+    ("Water boils at a temperature of", "pd-cross", None, None),
+    ("Once upon a time, in a small village,", "pd-local", None, SEEDED),
+    ("The three primary colors are", "auto", None, None),
+]
 
 
-def test_real_model_pdd_matches_reference(tmp_path, smollm):
-    cfg = tmp_path / "stack.json"
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    d = tmp_path_factory.mktemp("real-stack")
+    cfg = d / "stack.json"
     cfg.write_text(json.dumps(STACK))
-    up = UpProcess(["--config", str(cfg), "--port", "0"], str(tmp_path / "state.json"), timeout=240)
+    proc = UpProcess(["--config", str(cfg), "--port", "0"], str(d / "state.json"), timeout=240)
+    yield proc
+    proc.close()
+
+
+@pytest.mark.parametrize("text,pipeline,handoff,sampling", CASES, ids=[f"{c[1]}-{c[2]}-{bool(c[3])}" for c in CASES])
+def test_real_model_pipelines_match_reference(up, smollm, text, pipeline, handoff, sampling):
+    c = Client(up.state["router"])
     try:
-        c = Client(up.state["router"])
-        p = smollm.tokenizer.encode("The capital of France is")
-        r = c.generate(make_request(p, max_tokens=12, pipeline="pdd", ignore_eos=True), timeout=120)
-        want = ReferenceEngine(smollm.config, smollm.weights).generate(p, SamplingParams(), 12, ()).token_ids
+        p = smollm.tokenizer.encode(text)
+        r = c.generate(make_request(p, max_tokens=12, pipeline=pipeline, handoff=handoff, ignore_eos=True,
+                                    **(sampling or {})), timeout=240)
+        params = SamplingParams(**sampling) if sampling else SamplingParams()
+        want = ReferenceEngine(smollm.config, smollm.weights).generate(p, params, 12, ()).token_ids
         assert r.token_ids == want
-        assert r.sources[0] == "relay" and r.sources[-1] == "main", r.sources
         assert r.text == smollm.tokenizer.decode(want, skip_special=True)
-        c.close()
+        if pipeline == "pdd" and handoff == "one-shot":
+            assert r.sources[0] == "relay" and r.sources[-1] == "main", r.sources
     finally:
-        up.close()
+        c.close()

@@ -55,7 +55,7 @@ def register(bsub) -> None:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--seed", type=int, default=0, help="trace seed (generated traces)")
     p.add_argument("--duration", type=float, help="seconds of session arrivals (generated traces)")
-    p.add_argument("--handoff", choices=["one-shot", "chunked"], default="one-shot")
+    p.add_argument("--handoff", choices=["auto", "one-shot", "chunked"], help="handoff mode (default: the router's)")
     p.add_argument("--wan-mbps", type=float, default=WAN_DEFAULTS["mbps"])
     p.add_argument("--wan-latency-ms", type=float, default=WAN_DEFAULTS["latency_ms"])
     p.add_argument("--wan-jitter-ms", type=float, default=WAN_DEFAULTS["jitter_ms"])
@@ -418,9 +418,14 @@ def stack_config(args, model_config, drc: bool) -> dict:
         engine["num_pages"] = args.num_pages
     return {**base, "model": args.model, "platform": base.get("platform", "cpu"), "engine": engine,
             "main": {**base.get("main", {}), "prefix_cache": drc},
-            "router": {**base.get("router", {}), "handoff": args.handoff},
+            "router": {**base.get("router", {}), **({"handoff": args.handoff} if args.handoff else {})},
             "wan": {**base.get("wan", {}), "mbps": args.wan_mbps, "latency_ms": args.wan_latency_ms,
                     "jitter_ms": args.wan_jitter_ms, "jitter_dist": args.wan_jitter_dist}}
+
+
+def _req_handoff(handoff: str | None) -> str | None:
+    """The request's handoff field: unset (the router's setting) unless one-shot / chunked."""
+    return handoff if handoff in ("one-shot", "chunked") else None
 
 
 def run(args) -> int:
@@ -468,10 +473,10 @@ def run(args) -> int:
         try:
             if not args.no_warmup:
                 pipes = ["pd-local", "pd-cross", "pdd"] if MODES[mode] == "auto" else [MODES[mode]]
-                warmup(stack.router, pipes, mcfg.vocab_size, prompt_len, args.handoff)
+                warmup(stack.router, pipes, mcfg.vocab_size, prompt_len, _req_handoff(args.handoff))
             before = stack.link.link.stats()
             builder = TokenBuilder(trace_seed, mcfg.vocab_size)
-            records, wall = replay(stack.router, trace, MODES[mode], builder, args.handoff, mode)
+            records, wall = replay(stack.router, trace, MODES[mode], builder, _req_handoff(args.handoff), mode)
             after = stack.link.link.stats()
         finally:
             stack.close()
@@ -484,7 +489,7 @@ def run(args) -> int:
         if errs:
             print(f"{mode}: {len(errs)} requests failed, first: {errs[0]}", file=sys.stderr)
     result = {
-        "version": 1, "model": args.model, "quick": bool(args.quick), "handoff": args.handoff,
+        "version": 1, "model": args.model, "quick": bool(args.quick), "handoff": args.handoff or "router default",
         "wan": stack_config(args, mcfg, True)["wan"],
         "kv_bytes_per_token": mcfg.kv_bytes_per_token,
         "trace": {"path": args.trace, "seed": trace_seed, "config": config_dict(wcfg) if wcfg else None, **summary},

@@ -1,35 +1,51 @@
-"""The router: the user-facing streaming `Generate`, running any pipeline on request.
+"""The router: the user-facing streaming `Generate`, choosing pipelines and instances.
 
 A request's life (pipeline pdd; the others drop a tier):
   1. tokenize and validate (INVALID_ARGUMENT with one sentence, nothing reserved);
-  2. auto: ask MD's DRC how much of the prompt it holds (chained page hashes) and pick
-     pd-cross (high hit), pd-local (low hit, very short output) or pdd (the rule is simple
-     here; the router issue makes it good);
-  3. Reserve on MD (pins its DRC prefix -> cached_on_main) and on RLD; open their Decode streams;
-  4. P.Prefill with targets RLD (from 0, with the first token) and MD (from cached_on_main):
+  2. pick instances (`pools`): the least-loaded healthy P and RLD (ties: the session's last
+     one), the MD that holds the session's context (affinity; else the least loaded); ask P's
+     cache and MD's DRC how much of the prompt they hold (chained page hashes, no tokens move);
+  3. auto: `policy.decide` from those hits, the KV bytes per token, the link's measured
+     throughput and queue (`LinkEstimator`, fed by every completed transfer), RLD's measured
+     decode speed, the TTFT budget and the session's history: pd-cross, pdd, or pd-local for
+     singular traffic (filtered share capped; a session's filtered turn is synced to MD in the
+     background afterwards so MD's hit rate never drifts behind P's). Logged, counted (`Stats`),
+     and explained in the first response's `explain`;
+  4. Reserve on MD (pins its DRC prefix -> cached_on_main; a full or gone MD falls back to the
+     next) and on RLD; open their Decode streams;
+  5. P.Prefill with targets RLD (from 0, with the first token) and MD (from cached_on_main):
      P pushes both at once; RLD starts streaming tokens (relay) as soon as its KV lands;
-  5. when P reports MD's KV delivered, RLD.Handoff: RLD hands MD the token IDs and its stream
-     ends with handed_off_at = N; MD's stream starts at N (main) -> no gap, duplicate or reorder;
-  6. finish: every tier is released (idempotent), cancelled on client disconnect.
+  6. when P reports MD's KV delivered, RLD.Handoff: one-shot, or chunked while more than the
+     threshold is pending (`handoff = "auto"`); RLD's stream ends with handed_off_at = N and
+     MD's starts at N (main) -> no gap, duplicate or reorder;
+  7. finish: every tier is released (idempotent), cancelled on client disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
+import sys
 import time
 import uuid
 
 import grpc
 
 from pddjax.kv.page_hash import chain_hashes
-from pddjax.serving import rpc
+from pddjax.serving import pools, rpc
 from pddjax.serving.config import RouterSettings
 from pddjax.serving.decode_service import validate_spec
 from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
+from pddjax.serving.policy import (PD_LOCAL, Ewma, FilterWindow, Inputs, LinkEstimator, PolicyConfig, SessionTracker,
+                                   decide)
 
 P = common_pb2
 PIPELINE_NAMES = {P.PIPELINE_AUTO: "auto", P.PIPELINE_PDD: "pdd", P.PIPELINE_PD_CROSS: "pd-cross",
                   P.PIPELINE_PD_LOCAL: "pd-local"}
+_PIPELINES = {v: k for k, v in PIPELINE_NAMES.items()}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class _Abort(Exception):
@@ -44,14 +60,80 @@ def _from_rpc(e: grpc.aio.AioRpcError, who: str) -> _Abort:
 
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, settings: RouterSettings, model_config, tokenizer):
-        self.s, self.cfg, self.tok = settings, model_config, tokenizer
+        s = self.s = settings
+        self.cfg, self.tok = model_config, tokenizer
         self._bg: set[asyncio.Task] = set()
-        self._md_page_size: int | None = None
+        self.pools = {"prefill": pools.Pool("prefill", s.prefill), "relay": pools.Pool("relay", s.relay),
+                      "main": pools.Pool("main", s.main, s.main_wan or s.main)}
+        self.affinity = {r: pools.Affinity() for r in self.pools}
+        self.policy = PolicyConfig(ttft_budget_s=s.ttft_budget_ms / 1e3, filter_cap=s.filter_cap,
+                                   filter_window=s.filter_window, drift_tolerance=s.drift_tolerance,
+                                   handoff_threshold=s.handoff_threshold)
+        self.links: dict[str, LinkEstimator] = {}  # by MD address
+        self.rld_speed: dict[str, Ewma] = {}  # by RLD address, tokens/s of one request
+        self.sessions = SessionTracker()
+        self.window = FilterWindow(s.filter_window)
+        self.counters: collections.Counter = collections.Counter()
 
     def start(self, loop) -> None:
-        self.p = cluster_pb2_grpc.PrefillStub(rpc.channel(self.s.prefill))
-        self.rld = cluster_pb2_grpc.DecodeStub(rpc.channel(self.s.relay))
-        self.md = cluster_pb2_grpc.DecodeStub(rpc.channel(self.s.main))
+        for pool in self.pools.values():
+            for inst in pool.instances:
+                inst.channel = rpc.channel(inst.address)
+        self._sync_lock = asyncio.Lock()  # background context syncs run one at a time (low priority)
+        self._health = loop.create_task(pools.health_loop(list(self.pools.values()), self.s.health_interval_s,
+                                                          self.s.health_timeout_s, self.counters))
+
+    # ---- instances ---------------------------------------------------------------------
+    @staticmethod
+    def _stub(inst):
+        return (cluster_pb2_grpc.PrefillStub if inst.role == "prefill" else cluster_pb2_grpc.DecodeStub)(inst.channel)
+
+    async def _info(self, inst):
+        if inst.info is None:
+            inst.info = await self._stub(inst).Info(cluster_pb2.InfoRequest(), timeout=30)
+        return inst.info
+
+    async def _hit(self, inst, prompt) -> int:
+        S = (await self._info(inst)).page_size
+        m = await self._stub(inst).MatchPrefix(
+            cluster_pb2.MatchPrefixRequest(page_size=S, page_hashes=chain_hashes(prompt, S)), timeout=30)
+        return m.matched_tokens
+
+    async def _pick(self, role, sid, fn=None, sticky=False, exclude=()):
+        """-> (instance, fn(instance)); an instance that fails with UNAVAILABLE leaves the rotation
+        and the next one is tried; NoInstance when none is left."""
+        tried = list(exclude)
+        while True:
+            inst = self.pools[role].pick(self.affinity[role].get(sid), sticky=sticky, exclude=tried)
+            try:
+                return inst, (await fn(inst) if fn else None)
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in _RETRY:
+                    raise
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    pools.set_health(inst, False, self.counters)
+                tried.append(inst)
+                self.counters[f"fallback.{role}"] += 1
+
+    def _link(self, inst) -> LinkEstimator:
+        if inst.address not in self.links:
+            self.links[inst.address] = LinkEstimator(self.s.wan_mbps_prior, self.s.wan_latency_ms_prior / 1e3)
+        return self.links[inst.address]
+
+    def _speed(self, inst) -> Ewma:
+        return self.rld_speed.setdefault(inst.address, Ewma(self.s.rld_tokens_per_s_prior))
+
+    async def Stats(self, request, context):
+        return router_pb2.StatsResponse(json=json.dumps(self.stats()))
+
+    def stats(self) -> dict:
+        return {"counters": dict(self.counters),
+                "links": {a: {"mbps": 8 * l.throughput.value / 1e6, "latency_ms": 1e3 * l.latency.value,
+                              "queued_bytes": l.queued, "samples": l.throughput.samples} for a, l in self.links.items()},
+                "rld_tokens_per_s": {a: e.value for a, e in self.rld_speed.items()},
+                "filtered_share": self.window.share(),
+                "instances": [{"role": i.role, "address": i.address, "healthy": i.healthy, "inflight": i.inflight}
+                              for p in self.pools.values() for i in p.instances]}
 
     # ---- request parsing ---------------------------------------------------------------
     def _prompt(self, req) -> list[int]:
@@ -72,18 +154,55 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except Exception as e:  # noqa: BLE001  (template errors are the user's)
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat: {e}") from None
 
-    async def _choose(self, prompt, max_tokens) -> tuple[int, str]:
-        if self._md_page_size is None:
-            self._md_page_size = (await self.md.Info(cluster_pb2.InfoRequest())).page_size
-        S = self._md_page_size
-        m = await self.md.MatchPrefix(cluster_pb2.MatchPrefixRequest(page_size=S, page_hashes=chain_hashes(prompt, S)))
-        frac = m.matched_tokens / len(prompt)
-        why = f"MD holds {m.matched_tokens}/{len(prompt)} prompt tokens ({frac:.0%})"
-        if frac >= self.s.auto_hit_fraction:
-            return P.PIPELINE_PD_CROSS, why + f" >= {self.s.auto_hit_fraction:.0%}: pd-cross"
-        if max_tokens <= self.s.auto_local_max_tokens:
-            return P.PIPELINE_PD_LOCAL, why + f", output <= {self.s.auto_local_max_tokens} tokens: pd-local"
-        return P.PIPELINE_PDD, why + ": pdd"
+    # ---- choosing ----------------------------------------------------------------------
+    async def _plan(self, prompt, max_tokens, sid, requested) -> "_Plan":
+        """Instances, hits and (auto) the policy's decision; counted and logged."""
+        pl = _Plan()
+        try:
+            pl.p, pl.hit_p = await self._pick("prefill", sid, lambda i: self._hit(i, prompt))
+            if requested != P.PIPELINE_PD_LOCAL:
+                try:
+                    pl.md, pl.hit_md = await self._pick("main", sid, lambda i: self._hit(i, prompt), sticky=True)
+                except pools.NoInstance:
+                    if requested != P.PIPELINE_AUTO:
+                        raise
+            if requested != P.PIPELINE_PD_CROSS:
+                pl.rld, _ = await self._pick("relay", sid)
+        except pools.NoInstance as e:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        except grpc.aio.AioRpcError as e:
+            raise _from_rpc(e, "prefix match") from None
+        pl.pipeline = requested
+        if requested == P.PIPELINE_AUTO and pl.md is None:
+            pl.pipeline, pl.reason = P.PIPELINE_PD_LOCAL, "no-main"
+            pl.explain = "pd-local (no-main): no healthy MD instance"
+        elif requested == P.PIPELINE_AUTO:
+            info = await self._info(pl.p)
+            link = self._link(pl.md)
+            i = Inputs(prompt_tokens=len(prompt), max_tokens=max_tokens, hit_prefill=pl.hit_p, hit_main=pl.hit_md,
+                       kv_bytes_per_token=2 * info.num_layers * info.num_kv_heads * info.head_dim
+                       * _ITEMSIZE.get(info.dtype, 4),
+                       wan_bytes_per_s=link.throughput.value, wan_latency_s=link.latency.value,
+                       wan_queue_bytes=link.queued, rld_tokens_per_s=self._speed(pl.rld).value,
+                       filtered_share=self.window.share(), session_id=sid,
+                       predicted_output=self.sessions.predicted_output(sid), session_drift=self.sessions.drift(sid))
+            d = decide(i, self.policy)
+            self.window.add(d.pipeline == PD_LOCAL)
+            pl.pipeline, pl.reason, pl.sync_main, pl.explain = _PIPELINES[d.pipeline], d.reason, d.sync_main, d.explain(i)
+        else:
+            pl.reason = "requested"
+            pl.explain = (f"{PIPELINE_NAMES[requested]} (requested): hit P {pl.hit_p}/{len(prompt)}"
+                          + (f", MD {pl.hit_md}/{len(prompt)}" if pl.md else ""))
+        self.counters[f"decision.{PIPELINE_NAMES[pl.pipeline]}.{pl.reason}"] += 1
+        if pl.md is not None:
+            self.sessions.record_hits(sid, len(prompt), pl.hit_p, pl.hit_md)
+            self.counters["prompt_tokens"] += len(prompt)
+            self.counters["hit_prefill_tokens"] += pl.hit_p
+            self.counters["hit_main_tokens"] += pl.hit_md
+        use = [x for x in (("P", pl.p), ("RLD", pl.rld if pl.pipeline != P.PIPELINE_PD_CROSS else None),
+                           ("MD", pl.md if pl.pipeline != P.PIPELINE_PD_LOCAL or pl.sync_main else None)) if x[1]]
+        pl.explain += " [" + ", ".join(f"{n} {inst.address}" for n, inst in use) + "]"
+        return pl
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -99,6 +218,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         params = rpc.sampling_from_pb(req.sampling)
         max_tokens = int(req.max_tokens)
         rid = req.request_id or uuid.uuid4().hex
+        sid = req.session_id
         err = validate_spec(self.cfg, rid, prompt, params, max_tokens)
         if err:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, err)
@@ -108,13 +228,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if bad:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"stop token id {bad[0]} is outside the vocabulary")
         stop_ids = tuple(() if req.ignore_eos else self.cfg.eos_token_ids) + tuple(req.stop_token_ids)
-        mode = req.handoff or (P.HANDOFF_MODE_CHUNKED if self.s.handoff == "chunked" else P.HANDOFF_MODE_ONE_SHOT)
-        pipeline, explain = req.pipeline, ""
-        try:
-            if pipeline == P.PIPELINE_AUTO:
-                pipeline, explain = await self._choose(prompt, max_tokens)
-        except grpc.aio.AioRpcError as e:
-            raise _from_rpc(e, "main") from None
+        mode = req.handoff or (P.HANDOFF_MODE_ONE_SHOT if self.s.handoff == "one-shot" else P.HANDOFF_MODE_CHUNKED)
+        pl = await self._plan(prompt, max_tokens, sid, req.pipeline)
+        pipeline, explain = pl.pipeline, pl.explain
+        print(f"router: {rid} session={sid or '-'} {explain}", file=sys.stderr, flush=True)
         spec = cluster_pb2.SequenceSpec(request_id=rid, prompt=prompt, sampling=rpc.sampling_to_pb(params),
                                         max_tokens=max_tokens, stop_token_ids=stop_ids)
         use_rld = pipeline in (P.PIPELINE_PDD, P.PIPELINE_PD_LOCAL)
@@ -125,26 +242,39 @@ class RouterService(router_pb2_grpc.RouterServicer):
         relay_q: asyncio.Queue = asyncio.Queue()
         main_q: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
+        held = [pl.p] + ([pl.rld] if use_rld else [])
+        for inst in held:
+            inst.inflight += 1
+        md, finished = None, False
         try:
             try:
                 if use_md:
-                    st.cached_md = (await self.md.Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True))).cached_tokens
+                    md, st.cached_md = await self._reserve_main(spec, sid, pl.md)
+                    md.inflight += 1
                 if use_rld:
-                    await self.rld.Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True))
+                    await self._stub(pl.rld).Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True))
+            except pools.NoInstance as e:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             except grpc.aio.AioRpcError as e:
                 raise _from_rpc(e, "reserve") from None
             if use_rld:
-                tasks.append(asyncio.create_task(_pump(self.rld.Decode(cluster_pb2.DecodeRequest(request_id=rid)), relay_q, "relay")))
+                tasks.append(asyncio.create_task(_pump(self._stub(pl.rld).Decode(cluster_pb2.DecodeRequest(request_id=rid)),
+                                                       relay_q, "relay")))
             if use_md:
-                tasks.append(asyncio.create_task(_pump(self.md.Decode(cluster_pb2.DecodeRequest(request_id=rid)), main_q, "main")))
+                tasks.append(asyncio.create_task(_pump(self._stub(md).Decode(cluster_pb2.DecodeRequest(request_id=rid)),
+                                                       main_q, "main")))
             targets = []
             if use_rld:
-                targets.append(cluster_pb2.KVTarget(address=self.s.relay, start=0, role=P.ROLE_RELAY, include_first_token=True))
+                targets.append(cluster_pb2.KVTarget(address=pl.rld.address, start=0, role=P.ROLE_RELAY,
+                                                    include_first_token=True))
             if use_md:
-                targets.append(cluster_pb2.KVTarget(address=self.s.main_wan or self.s.main, start=st.cached_md,
-                                                    role=P.ROLE_MAIN, include_first_token=not use_rld))
+                targets.append(cluster_pb2.KVTarget(address=md.wan_address, start=st.cached_md, role=P.ROLE_MAIN,
+                                                    include_first_token=not use_rld))
+                st.link, st.planned = self._link(md), (len(prompt) - st.cached_md) * await self._kv_bytes(pl.p)
+                st.link.start(st.planned)
             preq = cluster_pb2.PrefillRequest(spec=spec, targets=targets, chunk_bytes=self.s.chunk_bytes)
-            tasks.append(asyncio.create_task(self._prefill(rid, preq, pipeline, mode, st, relay_q, main_q, tasks)))
+            tasks.append(asyncio.create_task(self._prefill(self._stub(pl.p), rid, preq, pipeline, mode, st, relay_q,
+                                                           main_q, tasks, pl.rld, md)))
 
             current, source = (relay_q, P.ROLE_RELAY) if use_rld else (main_q, P.ROLE_MAIN)
             tokens, sources, text, finish = [], [], "", P.FINISH_REASON_UNSPECIFIED
@@ -165,8 +295,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     if switch:
                         current, source, st.handoff_at = main_q, P.ROLE_MAIN, len(tokens)
                     continue
+                now = time.perf_counter()
                 if st.ttft is None and new:
-                    st.ttft = time.perf_counter() - t0
+                    st.ttft = now - t0
+                if source == P.ROLE_RELAY and new:  # RLD's decode speed, after its first batch
+                    st.relay_t0 = st.relay_t0 or now
+                    st.relay_after += len(new) if now > st.relay_t0 else 0
+                    st.relay_t1 = now
                 tokens += new
                 sources += [source] * len(new)
                 delta, text, hit = self._text(tokens, text, req.stop_strings)
@@ -187,12 +322,88 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 yield msg
                 if switch:
                     current, source, st.handoff_at = main_q, P.ROLE_MAIN, len(tokens)
+            finished = True
+            self._learn(pl, st, sid, tokens, md)
+            if pl.sync_main and len(prompt) + len(tokens) > 1:
+                self._spawn(self._sync_main(pl.p, pl.md, spec, prompt + tokens[:-1]))
         finally:
             for t in tasks:
                 t.cancel()
-            task = asyncio.create_task(self._release(rid, use_rld, use_md))
-            self._bg.add(task)
-            task.add_done_callback(self._bg.discard)
+            for inst in held + ([md] if md else []):
+                inst.inflight -= 1
+            if st.link is not None and not st.link_done:
+                st.link.done(st.planned, 0, 0.0, ok=False)
+            if not finished:
+                self.counters["requests.failed"] += 1
+            self._spawn(self._release(rid, [pl.p] + ([pl.rld] if use_rld else []) + ([md] if md else [])))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _kv_bytes(self, p_inst) -> int:
+        info = await self._info(p_inst)
+        return 2 * info.num_layers * info.num_kv_heads * info.head_dim * _ITEMSIZE.get(info.dtype, 4)
+
+    async def _reserve_main(self, spec, sid, first):
+        """Reserve on the chosen MD; a full (RESOURCE_EXHAUSTED) or gone MD falls back to the
+        least-loaded other one. -> (instance, cached tokens)."""
+        inst, tried = first, []
+        while True:
+            try:
+                r = await self._stub(inst).Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True))
+                return inst, r.cached_tokens
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in _RETRY:
+                    raise
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    pools.set_health(inst, False, self.counters)
+                tried.append(inst)
+                self.counters["fallback.main"] += 1
+                inst = self.pools["main"].pick(exclude=tried)
+
+    def _learn(self, pl, st, sid, tokens, md) -> None:
+        """After a finished request: RLD's speed, the session's output length and affinity."""
+        self.counters[f"requests.{PIPELINE_NAMES[pl.pipeline]}"] += 1
+        if st.relay_after >= 4 and st.relay_t1 > st.relay_t0:
+            self._speed(pl.rld).add(st.relay_after / (st.relay_t1 - st.relay_t0))
+        self.sessions.record_output(sid, len(tokens))
+        self.affinity["prefill"].set(sid, pl.p.address)
+        if pl.rld is not None:
+            self.affinity["relay"].set(sid, pl.rld.address)
+        if md is not None or pl.sync_main:
+            self.affinity["main"].set(sid, (md or pl.md).address)
+
+    async def _sync_main(self, p_inst, md_inst, spec, context) -> None:
+        """A filtered (pd-local) turn of a session: push its context's KV to MD anyway, after the
+        user's request finished and one sync at a time, so the session's next turn hits MD's DRC."""
+        async with self._sync_lock:
+            rid = f"sync-{spec.request_id}"
+            sspec = cluster_pb2.SequenceSpec(request_id=rid, prompt=context, sampling=spec.sampling, max_tokens=1,
+                                             stop_token_ids=spec.stop_token_ids)
+            md, p, ok, link, planned = self._stub(md_inst), self._stub(p_inst), False, self._link(md_inst), 0
+            try:
+                cached = (await md.Reserve(cluster_pb2.ReserveRequest(spec=sspec, use_cache=True))).cached_tokens
+                planned = (len(context) - cached) * await self._kv_bytes(p_inst)
+                link.start(planned)
+                target = cluster_pb2.KVTarget(address=md_inst.wan_address, start=cached, role=P.ROLE_MAIN)
+                async for ev in p.Prefill(cluster_pb2.PrefillRequest(spec=sspec, targets=[target],
+                                                                     chunk_bytes=self.s.chunk_bytes)):
+                    if ev.HasField("transfer_done"):
+                        d = ev.transfer_done
+                        ok = not d.code
+                        link.done(planned, d.bytes, d.ms / 1e3, ok)
+                        planned = 0
+            except grpc.aio.AioRpcError:
+                pass
+            finally:
+                if planned:
+                    link.done(planned, 0, 0.0, ok=False)
+                self.counters["sync_main." + ("done" if ok else "failed")] += 1
+                await asyncio.gather(md.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=ok, cancel=True)),
+                                     p.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=True, cancel=True)),
+                                     return_exceptions=True)
 
     def _text(self, tokens, text, stop_strings) -> tuple[str, str, bool]:
         if self.tok is None:
@@ -206,9 +417,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 return full[len(text):i], full[:i], True
         return full[len(text):], full, False
 
-    async def _prefill(self, rid, preq, pipeline, mode, st, relay_q, main_q, tasks):
+    async def _prefill(self, p, rid, preq, pipeline, mode, st, relay_q, main_q, tasks, rld, md):
         try:
-            async for ev in self.p.Prefill(preq):
+            async for ev in p.Prefill(preq):
                 if ev.HasField("prefilled"):
                     st.cached_p, st.prefill_ms = ev.prefilled.num_cached, ev.prefilled.prefill_ms
                     continue
@@ -220,35 +431,42 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         relay_q.put_nowait(err)
                     continue
                 st.bytes_md, st.md_ms = d.bytes, d.ms
+                if st.link is not None:
+                    st.link.done(st.planned, d.bytes, d.ms / 1e3, ok=not err)
+                    st.link_done = True
                 if err and pipeline == P.PIPELINE_PD_CROSS:
                     main_q.put_nowait(err)
                 elif err and d.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
                     relay_q.put_nowait(err)  # MD refuses this KV: never decode it anywhere
                 elif not err and pipeline == P.PIPELINE_PDD:
-                    tasks.append(asyncio.create_task(self._handoff(rid, mode, st)))
+                    tasks.append(asyncio.create_task(self._handoff(rld, md, rid, mode, st)))
         except grpc.aio.AioRpcError as e:
             relay_q.put_nowait(_from_rpc(e, "prefill"))
             main_q.put_nowait(_from_rpc(e, "prefill"))
 
-    async def _handoff(self, rid, mode, st):
+    async def _handoff(self, rld, md, rid, mode, st):
         try:
-            r = await self.rld.Handoff(cluster_pb2.HandoffRequest(
-                request_id=rid, main_address=self.s.main_wan or self.s.main, mode=mode, threshold=self.s.handoff_threshold))
+            r = await self._stub(rld).Handoff(cluster_pb2.HandoffRequest(
+                request_id=rid, main_address=md.wan_address, mode=mode, threshold=self.s.handoff_threshold))
             if r.handed_off:
                 st.handoff_tokens, st.handoff_chunks = r.tokens, r.chunks
+                self.counters["handoff." + ("chunked" if r.chunks > 1 else "one-shot")] += 1
         except grpc.aio.AioRpcError:
             pass  # RLD keeps decoding and finishes the request itself
 
-    async def _release(self, rid, use_rld, use_md):
-        calls = [self.p.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=True, cancel=True))]
-        if use_rld:
-            calls.append(self.rld.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=True, cancel=True)))
-        if use_md:
-            calls.append(self.md.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=True, cancel=True)))
-        await asyncio.gather(*calls, return_exceptions=True)
+    async def _release(self, rid, insts):
+        await asyncio.gather(*(self._stub(i).Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=True, cancel=True))
+                               for i in insts), return_exceptions=True)
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class _Plan:
+    def __init__(self):
+        self.p = self.rld = self.md = None  # pools.Instance
+        self.hit_p = self.hit_md = 0
+        self.pipeline, self.reason, self.explain, self.sync_main = P.PIPELINE_AUTO, "", "", False
 
 
 class _State:
@@ -259,6 +477,9 @@ class _State:
         self.ttft = None
         self.handoff_at = None
         self.handoff_tokens = self.handoff_chunks = 0
+        self.link, self.planned, self.link_done = None, 0, False  # MD's link estimator, bytes planned on it
+        self.relay_t0 = self.relay_t1 = 0.0  # first and last relay batch (perf_counter)
+        self.relay_after = 0  # relay tokens after the first batch
 
 
 def _terminal(item) -> bool:

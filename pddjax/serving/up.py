@@ -1,12 +1,15 @@
 """`pddjax up`: the whole stack on this machine as separate processes.
 
-Cluster A: P and RLD; cluster B: MD; the router on --port. P and RLD reach MD only through
-a WanLink (bandwidth and latency), running in this supervisor process. Steps: write each
-service's config, start P, RLD, MD (`pddjax serve ROLE`), wait for their ready files, start
-the link, start the router, write the state file
-  {"services": [{"role", "pid", "address", "metrics"}], "wan": {...}, "router": ADDRESS}
-(the `wan` byte counters are refreshed every second), print the router address, and on
-Ctrl-C or SIGTERM stop every child (SIGTERM, then SIGKILL after a grace period).
+Cluster A: P and RLD; cluster B: MD; the router on --port. `--instances P,R,M` starts several
+of each (the router balances them). P and RLD reach each MD only through its own WanLink
+(bandwidth and latency), running in this supervisor process. Steps: write each service's
+config, start the P, RLD, MD instances (`pddjax serve ROLE`), wait for their ready files,
+start the links, start the router (given every address), write the state file
+  {"services": [{"role", "pid", "address", "metrics"}], "wan": {...}, "wans": [...], "router": ADDRESS}
+(`wan` is the first MD's link; byte counters refreshed every second), print the router
+address, and on Ctrl-C or SIGTERM stop every child (SIGTERM, then SIGKILL after a grace
+period). An instance that exits is reported; the stack stops when the router or every
+instance of a role is gone.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ class Child:
         self.address: str | None = None
 
 
-def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None) -> Child:
-    ready = os.path.join(workdir, f"{role}.ready.json")
+def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, name: str | None = None) -> Child:
+    ready = os.path.join(workdir, f"{name or role}.ready.json")
     cmd = [sys.executable, "-m", "pddjax", "serve", role, "--config", config_path, "--port", str(port),
            "--ready-file", ready]
     env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
@@ -74,10 +77,11 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool = False) -> int:
+async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool = False,
+                    instances: tuple[int, int, int] = (1, 1, 1)) -> int:
     workdir = tempfile.mkdtemp(prefix="pddjax-up-")
     children: list[Child] = []
-    link: WanLink | None = None
+    links: list[WanLink] = []
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -86,52 +90,62 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
     try:
         cfg_path = os.path.join(workdir, "stack.json")
         write_json(cfg_path, stack)
-        children = [spawn(r, cfg_path, workdir, log=log) for r in ENGINE_ROLES]
+        children = [spawn(r, cfg_path, workdir, log=log, name=f"{r}{k}")
+                    for r, n in zip(ENGINE_ROLES, instances) for k in range(n)]
         waiter = asyncio.create_task(wait_ready(children))
         await asyncio.wait([waiter, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():
             waiter.cancel()
             return 130
         await waiter
-        addr = {c.role: c.address for c in children}
+        addr = {r: [c.address for c in children if c.role == r] for r in ENGINE_ROLES}
         wan = stack.get("wan", {})
-        host, mport = addr["main"].rsplit(":", 1)
-        link = WanLink(host, int(mport), float(wan.get("mbps", 0)), float(wan.get("latency_ms", 0)))
-        wan_addr = await link.start(stack.get("host", "127.0.0.1"))
+        wan_addrs = []
+        for a in addr["main"]:
+            host, mport = a.rsplit(":", 1)
+            links.append(WanLink(host, int(mport), float(wan.get("mbps", 0)), float(wan.get("latency_ms", 0))))
+            wan_addrs.append(await links[-1].start(stack.get("host", "127.0.0.1")))
         rstack = {**stack, "router": {**stack.get("router", {}), "prefill": addr["prefill"], "relay": addr["relay"],
-                                      "main": addr["main"], "main_wan": wan_addr}}
+                                      "main": addr["main"], "main_wan": wan_addrs}}
         rcfg = os.path.join(workdir, "router.json")
         write_json(rcfg, rstack)
         router = spawn("router", rcfg, workdir, port=port, log=log)
         children.append(router)
         await wait_ready([router], timeout=120)
+        link = links[0]
 
         def state():
+            wans = [{"address": w, "target": a, **lk.stats()} for w, a, lk in zip(wan_addrs, addr["main"], links)]
             return {"services": [{"role": c.role, "pid": c.proc.pid, "address": c.address, "metrics": None}
                                  for c in children],
-                    "router": router.address, "wan": {"address": wan_addr, "target": addr["main"], **link.stats()},
-                    "log": log.name}
+                    "router": router.address, "wan": wans[0], "wans": wans, "log": log.name}
 
         if state_file:
             write_json(state_file, state())
-        print(f"pddjax up: router on {router.address} (WAN link {wan_addr} -> MD {addr['main']}, "
-              f"{link.mbps or 'unlimited'} Mb/s, {link.latency_ms} ms)", flush=True)
+        print(f"pddjax up: router on {router.address} ({', '.join(f'{n} {r}' for r, n in zip(ENGINE_ROLES, instances))}; "
+              f"WAN link {wan_addrs[0]} -> MD {addr['main'][0]}, {link.mbps or 'unlimited'} Mb/s, {link.latency_ms} ms)",
+              flush=True)
+        reported: set[int] = set()
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
-            dead = [c for c in children if c.proc.poll() is not None]
-            if dead:
-                print(f"pddjax up: the {dead[0].role} service exited ({dead[0].proc.returncode}); stopping",
-                      file=sys.stderr, flush=True)
+            for c in children:
+                if c.proc.poll() is not None and c.proc.pid not in reported:
+                    reported.add(c.proc.pid)
+                    print(f"pddjax up: the {c.role} service {c.address} exited ({c.proc.returncode})",
+                          file=sys.stderr, flush=True)
+            gone = [r for r in (*ENGINE_ROLES, "router") if all(c.proc.poll() is not None for c in children if c.role == r)]
+            if gone:
+                print(f"pddjax up: no {gone[0]} service is left; stopping", file=sys.stderr, flush=True)
                 return 1
             if state_file:
                 write_json(state_file, state())
         return 0
     finally:
-        if link is not None:
-            await link.close()
+        for lk in links:
+            await lk.close()
         stop_all(children)
         log.close()
         if state_file and os.path.exists(state_file):
