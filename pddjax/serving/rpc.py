@@ -41,7 +41,8 @@ def channel(address: str) -> grpc.aio.Channel:
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
-    """Registers grpc.health.v1 (NOT_SERVING until `set_serving`) and reflection."""
+    """Registers grpc.health.v1 and reflection. grpc's servicer reports the overall status ""
+    as SERVING from the start: call `set_serving(hs, names, False)` until ready."""
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)

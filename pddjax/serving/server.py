@@ -1,9 +1,11 @@
 """Build and run one service process: `pddjax serve {prefill,relay,main,router}`.
 
 Engine roles: configure JAX for the role's platform, load the model, build a PagedEngine
-from the role's engine table, start its engine thread, then serve. The port opens once the
-model is loaded (NOT_SERVING while loading is the reliability issue's); a `ready_file` (JSON {role, pid, address}) is written once serving.
-SIGTERM/SIGINT stop the server (in-flight calls get a short grace period).
+from the role's engine table, start its engine thread, then serve. The port and the metrics
+endpoint open first: while the model loads, grpc.health.v1 says NOT_SERVING and every RPC
+answers UNAVAILABLE (lifecycle.Gate). A `ready_file` (JSON {role, pid, address, metrics}) is
+written once serving. SIGTERM/SIGINT drain: new RPCs get UNAVAILABLE, in-flight ones finish
+(up to DRAIN_SECONDS), then the server stops.
 """
 
 from __future__ import annotations
@@ -17,8 +19,19 @@ import grpc
 
 from pddjax.serving import rpc
 from pddjax.serving.config import ServiceConfig
+from pddjax.serving.lifecycle import Gate, gated_servicer
+from pddjax.serving.metrics import ServiceMetrics
 from pddjax.serving.pb import cluster_pb2, router_pb2, router_pb2_grpc
 from pddjax.serving.pb import cluster_pb2_grpc
+
+DRAIN_SECONDS = 30.0
+
+ADD_TO_SERVER = {
+    "prefill": (cluster_pb2.DESCRIPTOR.services_by_name["Prefill"], cluster_pb2_grpc.add_PrefillServicer_to_server),
+    "relay": (cluster_pb2.DESCRIPTOR.services_by_name["Decode"], cluster_pb2_grpc.add_DecodeServicer_to_server),
+    "main": (cluster_pb2.DESCRIPTOR.services_by_name["Decode"], cluster_pb2_grpc.add_DecodeServicer_to_server),
+    "router": (router_pb2.DESCRIPTOR.services_by_name["Router"], router_pb2_grpc.add_RouterServicer_to_server),
+}
 
 SERVICE_NAMES = {
     "prefill": [cluster_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
@@ -78,28 +91,41 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
     server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
     names = SERVICE_NAMES[cfg.role]
     hs = rpc.add_health_and_reflection(server, names)
-    loop = asyncio.get_running_loop()
-    servicer, add = await loop.run_in_executor(None, build_servicer, cfg)
-    servicer.start(loop)
-    add(servicer, server)
+    await rpc.set_serving(hs, names, False)  # the overall status "" starts SERVING in grpc's servicer
+    metrics = ServiceMetrics(cfg.role)
+    gate = Gate(metrics)
+    descriptor, add = ADD_TO_SERVER[cfg.role]
+    add(gated_servicer(descriptor, gate), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if port == 0:
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
     await server.start()
-    await rpc.set_serving(hs, names, True)
+    metrics_url = metrics.serve_http(cfg.host, 0)
     address = f"{cfg.host}:{port}"
-    if ready_file:
-        tmp = ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"role": cfg.role, "pid": os.getpid(), "address": address}, f)
-        os.replace(tmp, ready_file)
-    print(f"pddjax {cfg.role} serving on {address}", flush=True)
+    print(f"pddjax {cfg.role} loading on {address} (metrics {metrics_url})", flush=True)
+    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await rpc.set_serving(hs, names, False)
-    await server.stop(grace=2)
+    servicer, _ = await loop.run_in_executor(None, build_servicer, cfg)
+    servicer.start(loop)
     worker = getattr(servicer, "worker", None)
+    if worker is not None:
+        worker.metrics = metrics
+    if hasattr(servicer, "attach_metrics"):
+        servicer.attach_metrics(metrics)
+    gate.ready(servicer)
+    await rpc.set_serving(hs, names, True)
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"role": cfg.role, "pid": os.getpid(), "address": address, "metrics": metrics_url}, f)
+        os.replace(tmp, ready_file)
+    print(f"pddjax {cfg.role} serving on {address}", flush=True)
+    await stop.wait()
+    gate.drain()  # new RPCs: UNAVAILABLE; in-flight ones finish
+    await rpc.set_serving(hs, names, False)
+    await gate.wait_idle(DRAIN_SECONDS)
+    await server.stop(grace=2)
     if worker is not None:
         worker.stop()

@@ -23,6 +23,7 @@ class EngineWorker:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
         self.steps = 0
+        self.metrics = None  # a ServiceMetrics: engine gauges are set from this thread after each round
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -68,3 +69,13 @@ class EngineWorker:
                         self.on_step(events)
                 except Exception:  # noqa: BLE001  (keep serving; the failure is logged)
                     traceback.print_exc()
+            if self.metrics is not None:
+                self.metrics.engine_snapshot(self.snapshot())
+
+    def snapshot(self) -> dict:
+        """Engine occupancy, read on the engine thread."""
+        e = self.engine
+        alloc = getattr(e, "allocator", None)
+        return {"pages_active": getattr(e, "num_pages_active", 0), "pages_used": alloc.num_used if alloc else 0,
+                "pages_total": alloc.capacity if alloc else 0, "sequences": len(e.seqs), "steps": self.steps,
+                "queue_depth": self._q.qsize()}

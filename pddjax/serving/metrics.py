@@ -1,0 +1,48 @@
+"""Prometheus metrics of one service process (text format over HTTP, its own registry).
+
+Names every service exports: pddjax_rpc_total{method,code}, pddjax_rpc_seconds{method},
+pddjax_rpc_inflight, and for engine roles pddjax_kv_pages_active (pages held by in-flight
+requests; returns to 0 when idle; prefix-cache-only pages not counted), pddjax_kv_pages_used
+(all allocated pages, prefix cache included), pddjax_kv_pages_total, pddjax_engine_sequences,
+pddjax_engine_steps_total, pddjax_engine_queue_depth. The router adds its own (TTFT, ITL, ...)
+through `registry`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServiceMetrics:
+    def __init__(self, role: str):
+        self.role = role
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rpc_total = Counter("pddjax_rpc", "RPCs finished, by method and status code", ["method", "code"], registry=r)
+        self.rpc_seconds = Histogram("pddjax_rpc_seconds", "RPC duration", ["method"], buckets=LATENCY_BUCKETS,
+                                     registry=r)
+        self.inflight = Gauge("pddjax_rpc_inflight", "RPCs in progress", registry=r)
+        self.pages_active = Gauge("pddjax_kv_pages_active", "KV pages held by in-flight requests", registry=r)
+        self.pages_used = Gauge("pddjax_kv_pages_used", "KV pages allocated (prefix cache included)", registry=r)
+        self.pages_total = Gauge("pddjax_kv_pages_total", "KV pages in the pool", registry=r)
+        self.sequences = Gauge("pddjax_engine_sequences", "sequences on the engine", registry=r)
+        self.steps = Gauge("pddjax_engine_steps_total", "engine steps run", registry=r)
+        self.queue_depth = Gauge("pddjax_engine_queue_depth", "commands waiting for the engine thread", registry=r)
+        self.url: str | None = None
+
+    def serve_http(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start the /metrics endpoint in a thread; returns its URL."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.url = f"http://{host}:{server.server_port}/metrics"
+        return self.url
+
+    def engine_snapshot(self, snap: dict) -> None:
+        """Values read on the engine thread (see EngineWorker.snapshot)."""
+        self.pages_active.set(snap["pages_active"])
+        self.pages_used.set(snap["pages_used"])
+        self.pages_total.set(snap["pages_total"])
+        self.sequences.set(snap["sequences"])
+        self.steps.set(snap["steps"])
+        self.queue_depth.set(snap["queue_depth"])
