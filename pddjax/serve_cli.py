@@ -17,6 +17,7 @@ def register(sub) -> None:
     p.add_argument("--config", required=True, help="stack config (TOML or JSON), see configs/")
     p.add_argument("--port", type=int, default=None, help="listen port (default: the config's; 0 = any)")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
+    _security_flags(p)
     p.set_defaults(func=run_serve)
 
     u = sub.add_parser("up", help="start P, RLD, MD and the router on this machine behind a slowable WAN link")
@@ -29,7 +30,31 @@ def register(sub) -> None:
     u.add_argument("--wan-latency-ms", type=float, help="A -> B one-way latency in ms")
     u.add_argument("--instances", default="1,1,1", metavar="P,R,M",
                    help="how many prefill, relay and main instances to start (default 1,1,1)")
+    _security_flags(u)
     u.set_defaults(func=run_up)
+
+
+def _security_flags(p) -> None:
+    p.add_argument("--tls-dir", help="ca.pem, cert.pem, key.pem: mutual TLS between services, TLS on the router "
+                                     "(sets PDDJAX_TLS_DIR for this process and the services it starts)")
+    p.add_argument("--auth-token-file", help="bearer token the router requires (sets PDDJAX_ROUTER_TOKEN_FILE)")
+
+
+def apply_security_flags(args) -> None:
+    """Flags -> environment, so every child process and client in this process sees them."""
+    from pddjax.serving import security
+
+    if getattr(args, "tls_dir", None):
+        os.environ[security.TLS_DIR_ENV] = os.path.abspath(args.tls_dir)
+    if getattr(args, "auth_token_file", None):
+        os.environ[security.TOKEN_FILE_ENV] = os.path.abspath(args.auth_token_file)
+    try:
+        security.tls_material.cache_clear()
+        security.router_token.cache_clear()
+        security.tls_material()
+        security.router_token()
+    except security.SecurityConfigError as e:
+        raise UserError(str(e)) from None
 
 
 def _die_with_parent() -> None:
@@ -45,6 +70,7 @@ def _die_with_parent() -> None:
 
 
 def run_serve(args) -> int:
+    apply_security_flags(args)
     from pddjax.serving.config import read_file, service_config
     from pddjax.serving.server import serve
 
@@ -94,6 +120,7 @@ def load_stack(args) -> dict:
 
 
 def run_up(args) -> int:
+    apply_security_flags(args)
     from pddjax.serving.up import run_stack
 
     try:

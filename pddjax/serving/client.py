@@ -67,21 +67,24 @@ def make_request(prompt_ids=None, text=None, chat=None, *, max_tokens=16, temper
 
 
 class Client:
-    def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address, options=rpc.CHANNEL_OPTIONS)
+    def __init__(self, address: str, token: str | None = None):
+        from pddjax.serving import security
+
+        self.channel = rpc.sync_channel(address)  # TLS from the environment (security.py)
+        self.metadata = [("authorization", f"Bearer {token}")] if token else security.auth_metadata()
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     def close(self) -> None:
         self.channel.close()
 
     def stream(self, req, timeout: float | None = None):
-        return self.stub.Generate(req, timeout=timeout)
+        return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
     def generate(self, req: router_pb2.GenerateRequest, timeout: float | None = None, on_tokens=None) -> Result:
         t0 = time.perf_counter()
         ttft, toks, srcs, text, last, first, n = None, [], [], "", None, None, 0
         try:
-            for msg in self.stub.Generate(req, timeout=timeout):
+            for msg in self.stub.Generate(req, timeout=timeout, metadata=self.metadata):
                 first = first or msg
                 if msg.token_ids:
                     ttft = ttft if ttft is not None else time.perf_counter() - t0

@@ -22,6 +22,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pddjax.serving import rpc
 
 
+# Reconnect soon after an instance comes back (gRPC's default backoff grows to 120 s).
+CHANNEL_OPTIONS = [*rpc.CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200),
+                   ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return rpc.channel(address, CHANNEL_OPTIONS)  # TLS when configured (security.py)
+
+
 class NoInstance(Exception):
     pass
 
@@ -87,7 +96,7 @@ class Affinity:
 
 async def check(inst: Instance, timeout: float) -> bool:
     if inst.channel is None:
-        inst.channel = rpc.channel(inst.address)
+        inst.channel = channel(inst.address)
     try:
         r = await health_pb2_grpc.HealthStub(inst.channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                 timeout=timeout)

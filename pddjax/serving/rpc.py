@@ -36,16 +36,42 @@ SERVER_OPTIONS = [
 ROLE_NAMES = {"prefill": common_pb2.ROLE_PREFILL, "relay": common_pb2.ROLE_RELAY, "main": common_pb2.ROLE_MAIN}
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, options=None) -> grpc.aio.Channel:
+    """A channel to another service: mutual TLS when PDDJAX_TLS_DIR is set (security.py)."""
+    from pddjax.serving import security
+
+    creds, options = security.channel_credentials(), options or CHANNEL_OPTIONS
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, creds, options=options)
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+def sync_channel(address: str) -> grpc.Channel:
+    """A blocking channel (clients): TLS when PDDJAX_TLS_DIR is set."""
+    from pddjax.serving import security
+
+    creds = security.channel_credentials()
+    if creds is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+
+
+def add_port(server, address: str, public: bool) -> int:
+    """Listen on `address`: TLS (mutual unless `public`) when configured; returns the port."""
+    from pddjax.serving import security
+
+    creds = security.server_credentials(public)
+    return server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str],
+                              reflection_on: bool = True) -> health.aio.HealthServicer:
     """Registers grpc.health.v1 and reflection. grpc's servicer reports the overall status ""
     as SERVING from the start: call `set_serving(hs, names, False)` until ready."""
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    if reflection_on:  # off on public ports
+        reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
     return hs
 
 

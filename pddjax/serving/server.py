@@ -17,7 +17,7 @@ import signal
 
 import grpc
 
-from pddjax.serving import rpc
+from pddjax.serving import rpc, security
 from pddjax.serving.config import ServiceConfig
 from pddjax.serving.lifecycle import Gate, gated_servicer
 from pddjax.serving.metrics import ServiceMetrics
@@ -88,15 +88,18 @@ def build_servicer(cfg: ServiceConfig):
 
 
 async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
-    server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
+    public = cfg.role == "router"  # the port users reach: bearer token, no reflection
+    token = security.router_token() if public else None
+    server = grpc.aio.server(options=rpc.SERVER_OPTIONS,
+                             interceptors=[security.BearerAuth(token)] if token else None)
     names = SERVICE_NAMES[cfg.role]
-    hs = rpc.add_health_and_reflection(server, names)
+    hs = rpc.add_health_and_reflection(server, names, reflection_on=not public)
     await rpc.set_serving(hs, names, False)  # the overall status "" starts SERVING in grpc's servicer
     metrics = ServiceMetrics(cfg.role)
     gate = Gate(metrics)
     descriptor, add = ADD_TO_SERVER[cfg.role]
     add(gated_servicer(descriptor, gate), server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    port = rpc.add_port(server, f"{cfg.host}:{cfg.port}", public)
     if port == 0:
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
     await server.start()
