@@ -19,7 +19,7 @@ import grpc
 
 from pddjax.serving import rpc, security
 from pddjax.serving.config import ServiceConfig
-from pddjax.serving.lifecycle import Gate, gated_servicer
+from pddjax.serving.lifecycle import Gate, register
 from pddjax.serving.metrics import ServiceMetrics
 from pddjax.serving.pb import cluster_pb2, router_pb2, router_pb2_grpc
 from pddjax.serving.pb import cluster_pb2_grpc
@@ -97,8 +97,8 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
     await rpc.set_serving(hs, names, False)  # the overall status "" starts SERVING in grpc's servicer
     metrics = ServiceMetrics(cfg.role)
     gate = Gate(metrics)
-    descriptor, add = ADD_TO_SERVER[cfg.role]
-    add(gated_servicer(descriptor, gate), server)
+    descriptor, _ = ADD_TO_SERVER[cfg.role]
+    register(server, descriptor, gate)
     port = rpc.add_port(server, f"{cfg.host}:{cfg.port}", public)
     if port == 0:
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
