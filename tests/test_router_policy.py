@@ -38,8 +38,9 @@ def test_low_hit_goes_pdd_and_predicts_pending():
     assert decide(inputs(hit_main=1_000), CFG).pipeline == PD_CROSS
     d = decide(inputs(hit_main=1_000, wan_bytes_per_s=1000 * MB), CFG)
     assert (d.pipeline, d.reason) == (PDD, "mask")
-    assert d.handoff_pending == int(d.transfer_s * 50) == 181
-    assert policy.handoff_mode(d.handoff_pending, CFG.handoff_threshold) == "chunked"
+    assert d.handoff_pending == int(d.transfer_s * 50) == 181 and d.handoff == "chunked"
+    d = decide(inputs(hit_main=1_000, wan_bytes_per_s=4000 * MB), CFG)  # 0.92 s: 46 tokens pending
+    assert (d.pipeline, d.handoff_pending, d.handoff) == (PDD, 46, "one-shot")
     assert policy.handoff_mode(64, 64) == "one-shot" and policy.handoff_mode(65, 64) == "chunked"
 
 
@@ -81,7 +82,7 @@ def test_explain_names_every_input():
     i = inputs(hit_main=1_000, wan_bytes_per_s=1000 * MB)
     s = decide(i, CFG).explain(i)
     for part in ("pdd (mask)", "hit P 9000/10000", "MD 1000/10000", "delta 9000 tok = 450000000 B", "ms", "Mb/s",
-                 "pending at handoff"):
+                 "pending at handoff (chunked)"):
         assert part in s, (part, s)
 
 

@@ -50,13 +50,15 @@ class RouterSettings:
     rld_tokens_per_s_prior: float = 50.0
     health_interval_s: float = 1.0  # grpc.health.v1 checks of every instance
     health_timeout_s: float = 2.0
+    background_timeout_s: float = 300.0  # a KV push finishing after its request (MD's context) gives up after this
 
     def __post_init__(self):
         for f in ("prefill", "relay", "main", "main_wan"):
             v = getattr(self, f)
             setattr(self, f, [a for a in v.split(",") if a] if isinstance(v, str) else list(v))
         if self.main_wan and len(self.main_wan) != len(self.main):
-            raise UserError(f"[router] main_wan lists {len(self.main_wan)} addresses for {len(self.main)} main instances")
+            raise UserError(f"[router] main_wan lists {len(self.main_wan)} addresses "
+                            f"for {len(self.main)} main instances")
 
 
 @dataclasses.dataclass

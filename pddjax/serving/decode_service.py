@@ -12,6 +12,9 @@ A request's life here:
   HandoffTokens (MD) append RLD's tokens and extend-decode them; a non-final chunk is
                acknowledged once MD has caught up on it; on the final one MD emits from N on.
   Release      idempotent; `cache` inserts the computed context into the prefix cache (DRC).
+               A cancel leaves a tombstone: a Reserve arriving late for that id is ABORTED.
+Leases: a reservation with no open Decode stream and no traffic (PushKV, Handoff*) for
+LEASE_SECONDS is dropped (an aborted transfer or a vanished router never leaks a slot).
 
 Sequences are held on finish (hold_on_finish) so MD's tokens sampled ahead of a chunked
 handoff are kept until the final chunk confirms them; tokens that disagree with RLD's (a
@@ -21,7 +24,10 @@ heterogeneous pair) are rolled back and recomputed: the user's stream is RLD's u
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import os
+import time
 
 import grpc
 
@@ -41,6 +47,12 @@ class Slot:
     waiters: list = dataclasses.field(default_factory=list)  # (kv tokens needed, asyncio.Future)
     closed: bool = False
     decoding: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # KV landed, tokens flow
+    touched: float = dataclasses.field(default_factory=time.monotonic)  # last RPC about it (lease)
+    streams: int = 0  # open Decode streams (a stream keeps the lease)
+
+
+LEASE_SECONDS = float(os.environ.get("PDDJAX_LEASE_SECONDS", "60"))
+TOMBSTONES = 10000  # cancelled request ids remembered (a late Reserve for one is refused)
 
 
 class DecodeService(cluster_pb2_grpc.DecodeServicer):
@@ -49,9 +61,29 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         self.slots: dict[str, Slot] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.worker: EngineWorker | None = None
+        self.cancelled: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.leases_expired = 0
 
     def start(self, loop) -> None:
         self.worker = EngineWorker(self.engine, loop, self._on_step, name=f"engine-{self.role}")
+        self._lease_task = loop.create_task(self._expire_leases())
+
+    def _touch(self, rid: str) -> None:
+        slot = self.slots.get(rid)
+        if slot is not None:
+            slot.touched = time.monotonic()
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, LEASE_SECONDS / 4))
+            now = time.monotonic()
+            for slot in list(self.slots.values()):
+                if not slot.closed and slot.streams == 0 and now - slot.touched > LEASE_SECONDS:
+                    self.leases_expired += 1
+                    failure = _RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                          f"the reservation of {slot.request_id} on {self.role} expired "
+                                          f"after {LEASE_SECONDS:.0f} s without traffic")
+                    await self.worker.call(lambda e, s=slot: self._close(s, failure, cache=False))
 
     # ---- engine-thread helpers ----------------------------------------------------------
     def _put(self, slot: Slot, item) -> None:
@@ -123,6 +155,8 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         if rid in self.slots:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already reserved here")
+        if rid in self.cancelled:
+            await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled on {self.role}")
         slot = Slot(rid, asyncio.Queue())
 
         def reserve(e):
@@ -144,6 +178,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         try:
             async for chunk in request_iterator:
                 rid = rid or chunk.request_id
+                self._touch(rid)
                 if rid not in self.slots:
                     raise WireError("NOT_FOUND", f"request {rid} is not reserved on {self.role}")
                 run = asm.feed(chunk)
@@ -180,17 +215,23 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         slot = self.slots.get(request.request_id)
         if slot is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {request.request_id} is not reserved on {self.role}")
-        while True:
-            item = await slot.out.get()
-            if isinstance(item, _RpcFailure):
-                await context.abort(item.code, item.message)
-            yield item
-            if item.finish_reason or item.handed_off:
-                return
+        slot.streams += 1
+        try:
+            while True:
+                item = await slot.out.get()
+                if isinstance(item, _RpcFailure):
+                    await context.abort(item.code, item.message)
+                yield item
+                if item.finish_reason or item.handed_off:
+                    return
+        finally:
+            slot.streams -= 1
+            slot.touched = time.monotonic()
 
     async def Handoff(self, request, context):
         """RLD: hand the request's token IDs to MD (one-shot or chunked), then stop."""
         rid = request.request_id
+        self._touch(rid)
         slot = self.slots.get(rid)
         if slot is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
@@ -231,6 +272,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
     async def HandoffTokens(self, request, context):
         """MD: append RLD's token IDs (extend-decode them); ack a chunk once caught up."""
         rid = request.request_id
+        self._touch(rid)
         if rid not in self.slots:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
         fut = asyncio.get_running_loop().create_future()
@@ -271,6 +313,11 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         return cluster_pb2.HandoffTokensResponse(caught_up_to=max(caught, 0))
 
     async def Release(self, request, context):
+        if request.cancel and request.request_id:
+            self.cancelled[request.request_id] = time.monotonic()
+            while len(self.cancelled) > TOMBSTONES:
+                self.cancelled.popitem(last=False)
+
         def release(e):
             slot = self.slots.get(request.request_id)
             if slot is not None:

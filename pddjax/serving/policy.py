@@ -63,6 +63,7 @@ class Decision:
     rld_finish_s: float  # RLD alone would finish the output in this time
     sync_main: bool = False  # pd-local: push the session's context to MD in the background
     handoff_pending: int = 0  # pdd: tokens RLD is predicted to hold at handoff
+    handoff: str = ""  # pdd: the handoff that predicts (RLD decides on the real count)
 
     def explain(self, i: Inputs) -> str:
         s = (f"{self.pipeline} ({self.reason}): hit P {i.hit_prefill}/{i.prompt_tokens}, "
@@ -70,7 +71,7 @@ class Decision:
              f"est. transfer {1e3 * self.transfer_s:.0f} ms at {8 * i.wan_bytes_per_s / 1e6:.1f} Mb/s "
              f"(+{i.wan_queue_bytes} B queued); RLD {self.output_tokens} tok in {1e3 * self.rld_finish_s:.0f} ms")
         if self.pipeline == PDD:
-            s += f"; ~{self.handoff_pending} tok pending at handoff"
+            s += f"; ~{self.handoff_pending} tok pending at handoff ({self.handoff})"
         if self.pipeline == PD_LOCAL:
             s += "; WAN transfer cancelled" + (", context synced to MD in the background" if self.sync_main else "")
         return s
@@ -92,13 +93,14 @@ def decide(i: Inputs, c: PolicyConfig) -> Decision:
     if t <= c.ttft_budget_s:
         return Decision(PD_CROSS, "fast-delta", **d)
     pending = min(i.max_tokens, int(t * i.rld_tokens_per_s))
+    d_pdd = dict(handoff_pending=pending, handoff=handoff_mode(pending, c.handoff_threshold), **d)
     if rld_s < t:
         if i.filtered_share >= c.filter_cap:
-            return Decision(PDD, "cap", handoff_pending=pending, **d)
+            return Decision(PDD, "cap", **d_pdd)
         if i.session_drift > c.drift_tolerance:
-            return Decision(PDD, "drift", handoff_pending=pending, **d)
+            return Decision(PDD, "drift", **d_pdd)
         return Decision(PD_LOCAL, "singular", sync_main=bool(i.session_id), **d)
-    return Decision(PDD, "mask", handoff_pending=pending, **d)
+    return Decision(PDD, "mask", **d_pdd)
 
 
 def handoff_mode(pending: int, threshold: int) -> str:

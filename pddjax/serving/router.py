@@ -78,7 +78,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def start(self, loop) -> None:
         for pool in self.pools.values():
             for inst in pool.instances:
-                inst.channel = rpc.channel(inst.address)
+                inst.channel = pools.channel(inst.address)
         self._sync_lock = asyncio.Lock()  # background context syncs run one at a time (low priority)
         self._health = loop.create_task(pools.health_loop(list(self.pools.values()), self.s.health_interval_s,
                                                           self.s.health_timeout_s, self.counters))
@@ -128,8 +128,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def stats(self) -> dict:
         return {"counters": dict(self.counters),
-                "links": {a: {"mbps": 8 * l.throughput.value / 1e6, "latency_ms": 1e3 * l.latency.value,
-                              "queued_bytes": l.queued, "samples": l.throughput.samples} for a, l in self.links.items()},
+                "links": {a: {"mbps": 8 * lk.throughput.value / 1e6, "latency_ms": 1e3 * lk.latency.value,
+                              "queued_bytes": lk.queued, "samples": lk.throughput.samples}
+                          for a, lk in self.links.items()},
                 "rld_tokens_per_s": {a: e.value for a, e in self.rld_speed.items()},
                 "filtered_share": self.window.share(),
                 "instances": [{"role": i.role, "address": i.address, "healthy": i.healthy, "inflight": i.inflight}
@@ -188,7 +189,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                        predicted_output=self.sessions.predicted_output(sid), session_drift=self.sessions.drift(sid))
             d = decide(i, self.policy)
             self.window.add(d.pipeline == PD_LOCAL)
-            pl.pipeline, pl.reason, pl.sync_main, pl.explain = _PIPELINES[d.pipeline], d.reason, d.sync_main, d.explain(i)
+            pl.pipeline, pl.reason, pl.sync_main = _PIPELINES[d.pipeline], d.reason, d.sync_main
+            pl.explain = d.explain(i)
         else:
             pl.reason = "requested"
             pl.explain = (f"{PIPELINE_NAMES[requested]} (requested): hit P {pl.hit_p}/{len(prompt)}"
@@ -242,15 +244,20 @@ class RouterService(router_pb2_grpc.RouterServicer):
         relay_q: asyncio.Queue = asyncio.Queue()
         main_q: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
-        held = [pl.p] + ([pl.rld] if use_rld else [])
+        held = [pl.p] + ([pl.rld] if use_rld else [])  # instances this request loads (inflight)
         for inst in held:
             inst.inflight += 1
-        md, finished = None, False
+        md, finished, prefill = None, False, None
+
+        def unhold():  # idempotent: this request no longer loads its instances
+            while held:
+                held.pop().inflight -= 1
         try:
             try:
                 if use_md:
                     md, st.cached_md = await self._reserve_main(spec, sid, pl.md)
                     md.inflight += 1
+                    held.append(md)
                 if use_rld:
                     await self._stub(pl.rld).Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True))
             except pools.NoInstance as e:
@@ -258,11 +265,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             except grpc.aio.AioRpcError as e:
                 raise _from_rpc(e, "reserve") from None
             if use_rld:
-                tasks.append(asyncio.create_task(_pump(self._stub(pl.rld).Decode(cluster_pb2.DecodeRequest(request_id=rid)),
-                                                       relay_q, "relay")))
+                call = self._stub(pl.rld).Decode(cluster_pb2.DecodeRequest(request_id=rid))
+                tasks.append(asyncio.create_task(_pump(call, relay_q, "relay")))
             if use_md:
-                tasks.append(asyncio.create_task(_pump(self._stub(md).Decode(cluster_pb2.DecodeRequest(request_id=rid)),
-                                                       main_q, "main")))
+                call = self._stub(md).Decode(cluster_pb2.DecodeRequest(request_id=rid))
+                tasks.append(asyncio.create_task(_pump(call, main_q, "main")))
             targets = []
             if use_rld:
                 targets.append(cluster_pb2.KVTarget(address=pl.rld.address, start=0, role=P.ROLE_RELAY,
@@ -273,8 +280,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 st.link, st.planned = self._link(md), (len(prompt) - st.cached_md) * await self._kv_bytes(pl.p)
                 st.link.start(st.planned)
             preq = cluster_pb2.PrefillRequest(spec=spec, targets=targets, chunk_bytes=self.s.chunk_bytes)
-            tasks.append(asyncio.create_task(self._prefill(self._stub(pl.p), rid, preq, pipeline, mode, st, relay_q,
-                                                           main_q, tasks, pl.rld, md)))
+            prefill = asyncio.create_task(self._prefill(self._stub(pl.p), rid, preq, pipeline, mode, st, relay_q,
+                                                        main_q, tasks, pl.rld, md))
+            tasks.append(prefill)
 
             current, source = (relay_q, P.ROLE_RELAY) if use_rld else (main_q, P.ROLE_MAIN)
             tokens, sources, text, finish = [], [], "", P.FINISH_REASON_UNSPECIFIED
@@ -319,23 +327,29 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     msg.timings.CopyFrom(router_pb2.Timings(
                         ttft_ms=1e3 * (st.ttft or 0), total_ms=1e3 * (time.perf_counter() - t0), prefill_ms=st.prefill_ms,
                         kv_to_main_ms=st.md_ms, handoff_position=st.handoff_at or 0))
+                    # settle before the last message: the client's next turn sees this one's effects
+                    finished = st.finished = True
+                    unhold()
+                    self._learn(pl, st, sid, tokens, md)
+                    if pl.sync_main and len(prompt) + len(tokens) > 1:
+                        self._spawn(self._sync_main(pl.p, pl.md, spec, prompt + tokens[:-1]))
                 yield msg
                 if switch:
                     current, source, st.handoff_at = main_q, P.ROLE_MAIN, len(tokens)
-            finished = True
-            self._learn(pl, st, sid, tokens, md)
-            if pl.sync_main and len(prompt) + len(tokens) > 1:
-                self._spawn(self._sync_main(pl.p, pl.md, spec, prompt + tokens[:-1]))
         finally:
+            # RLD finished before MD held the KV (pdd): let the push finish in the background so
+            # MD's DRC still gets the context (the drift-loop guard), then release
+            complete = finished and md is not None and prefill is not None and not prefill.done()
             for t in tasks:
-                t.cancel()
-            for inst in held + ([md] if md else []):
-                inst.inflight -= 1
-            if st.link is not None and not st.link_done:
-                st.link.done(st.planned, 0, 0.0, ok=False)
+                if not (complete and t is prefill):
+                    t.cancel()
+            unhold()
             if not finished:
                 self.counters["requests.failed"] += 1
-            self._spawn(self._release(rid, [pl.p] + ([pl.rld] if use_rld else []) + ([md] if md else [])))
+            insts = [pl.p] + ([pl.rld] if use_rld else []) + ([md] if md else [])
+            if complete:
+                self.counters["main_completed_in_background"] += 1
+            self._spawn(self._release(rid, insts, prefill if complete else None, st))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -361,7 +375,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     pools.set_health(inst, False, self.counters)
                 tried.append(inst)
                 self.counters["fallback.main"] += 1
-                inst = self.pools["main"].pick(exclude=tried)
+                try:
+                    inst = self.pools["main"].pick(exclude=tried)
+                except pools.NoInstance:
+                    raise e from None  # every MD is full or gone: the last one's answer
 
     def _learn(self, pl, st, sid, tokens, md) -> None:
         """After a finished request: RLD's speed, the session's output length and affinity."""
@@ -438,7 +455,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     main_q.put_nowait(err)
                 elif err and d.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
                     relay_q.put_nowait(err)  # MD refuses this KV: never decode it anywhere
-                elif not err and pipeline == P.PIPELINE_PDD:
+                elif not err and pipeline == P.PIPELINE_PDD and not st.finished:
                     tasks.append(asyncio.create_task(self._handoff(rld, md, rid, mode, st)))
         except grpc.aio.AioRpcError as e:
             relay_q.put_nowait(_from_rpc(e, "prefill"))
@@ -454,9 +471,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except grpc.aio.AioRpcError:
             pass  # RLD keeps decoding and finishes the request itself
 
-    async def _release(self, rid, insts):
-        await asyncio.gather(*(self._stub(i).Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=True, cancel=True))
-                               for i in insts), return_exceptions=True)
+    async def _release(self, rid, insts, pending=None, st=None):
+        if pending is not None:
+            try:
+                await asyncio.wait_for(pending, timeout=self.s.background_timeout_s)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+        if st is not None and st.link is not None and not st.link_done:
+            st.link.done(st.planned, 0, 0.0, ok=False)
+        req = cluster_pb2.ReleaseRequest(request_id=rid, cache=True, cancel=True)
+        await asyncio.gather(*(self._stub(i).Release(req) for i in insts), return_exceptions=True)
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -480,6 +504,7 @@ class _State:
         self.link, self.planned, self.link_done = None, 0, False  # MD's link estimator, bytes planned on it
         self.relay_t0 = self.relay_t1 = 0.0  # first and last relay batch (perf_counter)
         self.relay_after = 0  # relay tokens after the first batch
+        self.finished = False  # the user's stream has its last message
 
 
 def _terminal(item) -> bool:

@@ -122,9 +122,9 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
 
         if state_file:
             write_json(state_file, state())
-        print(f"pddjax up: router on {router.address} ({', '.join(f'{n} {r}' for r, n in zip(ENGINE_ROLES, instances))}; "
-              f"WAN link {wan_addrs[0]} -> MD {addr['main'][0]}, {link.mbps or 'unlimited'} Mb/s, {link.latency_ms} ms)",
-              flush=True)
+        counts = ", ".join(f"{n} {r}" for r, n in zip(ENGINE_ROLES, instances))
+        print(f"pddjax up: router on {router.address} ({counts}; WAN link {wan_addrs[0]} -> MD {addr['main'][0]}, "
+              f"{link.mbps or 'unlimited'} Mb/s, {link.latency_ms} ms)", flush=True)
         reported: set[int] = set()
         while not stop.is_set():
             try:
@@ -136,7 +136,8 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
                     reported.add(c.proc.pid)
                     print(f"pddjax up: the {c.role} service {c.address} exited ({c.proc.returncode})",
                           file=sys.stderr, flush=True)
-            gone = [r for r in (*ENGINE_ROLES, "router") if all(c.proc.poll() is not None for c in children if c.role == r)]
+            gone = [r for r in (*ENGINE_ROLES, "router")
+                    if all(c.proc.poll() is not None for c in children if c.role == r)]
             if gone:
                 print(f"pddjax up: no {gone[0]} service is left; stopping", file=sys.stderr, flush=True)
                 return 1

@@ -1,0 +1,90 @@
+"""Instance selection (least loaded, session affinity, rotation, health) and the grpc.health.v1
+checker against a real in-process gRPC server that goes NOT_SERVING, away, and comes back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pddjax.serving import pools
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_least_loaded_with_affinity_tiebreak_and_rotation():
+    pool = pools.Pool("relay", ["a", "b", "c"])
+    a, b, c = pool.instances
+    assert {pool.pick().address for _ in range(3)} == {"a", "b", "c"}  # idle: rotation spreads
+    a.inflight, b.inflight, c.inflight = 2, 0, 1
+    assert pool.pick() is b and pool.pick(prefer="c") is b  # load first
+    b.inflight = 1
+    assert pool.pick(prefer="c") is c  # equal load: the session's instance
+    assert pool.pick(prefer="c", exclude=[c]) is b
+
+
+def test_md_affinity_is_sticky_until_unhealthy_or_excluded():
+    pool = pools.Pool("main", ["m1", "m2"], ["w1", "w2"])
+    m1, m2 = pool.instances
+    assert m1.wan_address == "w1"
+    m1.inflight = 5
+    assert pool.pick(prefer="m1", sticky=True) is m1  # holds the session's context: load is secondary
+    pools.set_health(m1, False)
+    assert pool.pick(prefer="m1", sticky=True) is m2  # gone: least loaded of the rest
+    pools.set_health(m1, True)
+    assert pool.pick(prefer="m1", sticky=True, exclude=[m1]) is m2  # full (Reserve refused)
+    pools.set_health(m2, False)
+    with pytest.raises(pools.NoInstance):
+        pool.pick(exclude=[m1])
+
+
+def test_affinity_map_is_bounded():
+    aff = pools.Affinity(size=2)
+    aff.set("s1", "a")
+    aff.set("s2", "b")
+    aff.set("s1", "c")  # refreshed
+    aff.set("s3", "d")  # evicts s2
+    assert (aff.get("s1"), aff.get("s2"), aff.get("s3"), aff.get("")) == ("c", None, "d", None)
+
+
+def test_health_checks_take_an_instance_out_and_back():
+    async def main():
+        async def serve(port=0):
+            server = grpc.aio.server()
+            hs = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+            port = server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+            return server, hs, port
+
+        server, hs, port = await serve()
+        pool = pools.Pool("prefill", [f"127.0.0.1:{port}"])
+        inst, counters = pool.instances[0], {}
+        loop = asyncio.create_task(pools.health_loop([pool], 0.05, 1.0, counters))
+
+        async def until(healthy):
+            for _ in range(200):
+                if inst.healthy == healthy:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"instance never became healthy={healthy}")
+
+        try:
+            await until(True)
+            await hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await until(False)
+            await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+            await until(True)
+            await server.stop(None)  # gone
+            await until(False)
+            server, hs, _ = await serve(port)  # back on the same address
+            await until(True)
+            assert counters == {"health_left": 2, "health_back": 2}
+        finally:
+            loop.cancel()
+            await server.stop(None)
+
+    asyncio.run(main())
