@@ -78,7 +78,9 @@ def test_heterogeneous_stack_within_dtype_tolerance(up, tiny, f32, pipeline, han
             r = c.generate(make_request(p, max_tokens=24, pipeline=pipeline, handoff=handoff, ignore_eos=True),
                            timeout=240)
             assert len(r.token_ids) == 24 and r.pipeline == pipeline
-            assert r.sources[-1] == "main"
+            # pd-cross is all MD; pdd starts on RLD and normally ends on MD, but under heavy CPU
+            # load RLD may finish all 24 tokens before MD holds the KV (a correct outcome)
+            assert r.sources[0] == ("main" if pipeline == "pd-cross" else "relay")
             gap = max_gap(tiny, f32, p, r.token_ids)
             same = sum(a == b for a, b in zip(r.token_ids, ref.generate(p, SamplingParams(), 24, ()).token_ids))
             print(f"{pipeline} {handoff}: max teacher-forced gap {gap:.4f}, {same}/24 equal to float32 greedy")
