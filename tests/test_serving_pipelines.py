@@ -229,7 +229,7 @@ def assert_idle(stack, timeout=10.0):
         assert not any(i.integrity_error for i in infos.values()), infos
         if all(i.requests == 0 and i.pages_active == 0 for i in infos.values()):
             return
-        assert time.monotonic() < deadline, infos
+        assert time.monotonic() < deadline, {r: (i.requests, i.pages_active) for r, i in infos.items()}
         time.sleep(0.2)
 
 

@@ -510,9 +510,14 @@ def run(args) -> int:
         print(f"{mode}: starting the stack", file=sys.stderr, flush=True)
         stack = BenchStack(stack_cfg, workdir)
         try:
-            if not args.no_warmup:
+            if not args.no_warmup:  # on an unshaped line, so no warm-up KV is still queued on the WAN
                 pipes = ["pdd"] if MODES[mode] == "auto" else [MODES[mode]]  # pdd exercises P, RLD, MD
-                warmup(stack.router, pipes, mcfg.vocab_size, prompt_len, _req_handoff(args.handoff))
+                link, mbps, lat = stack.link.link, stack.link.link.mbps, stack.link.link.latency_ms
+                link.mbps, link.latency_ms = 0.0, 0.0
+                try:
+                    warmup(stack.router, pipes, mcfg.vocab_size, prompt_len, _req_handoff(args.handoff))
+                finally:
+                    link.mbps, link.latency_ms = mbps, lat
             before = stack.link.link.stats()
             builder = TokenBuilder(trace_seed, mcfg.vocab_size)
             records, wall = replay(stack.router, trace, MODES[mode], builder, _req_handoff(args.handoff), mode)

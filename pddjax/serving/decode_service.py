@@ -160,6 +160,8 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         slot = Slot(rid, asyncio.Queue())
 
         def reserve(e):
+            if rid in self.cancelled:  # a cancel overtook this Reserve: never leave an orphan slot
+                return None
             seq = e.add(rid, prompt, params, max_tokens, stop_ids, hold_on_finish=True, use_cache=request.use_cache)
             seq.paused = True
             self.slots[rid] = slot
@@ -167,6 +169,8 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
         try:
             cached = await self.worker.call(reserve)
+            if cached is None:
+                await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled on {self.role}")
         except OutOfPages:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the {self.role} pool cannot hold {len(prompt)} + {max_tokens} tokens now")
         except ValueError as e:

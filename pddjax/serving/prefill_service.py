@@ -89,7 +89,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
             self.pushes.pop(rid, None)
             for t in tasks:
                 t.cancel()
-            await self.worker.call(self._drop, rid)
+            self.worker.run_soon(self._drop, rid)  # never skipped, even if this handler is being cancelled
 
     def _drop(self, e, rid) -> None:
         """Engine thread: forget a request that ended early (cancelled, failed)."""

@@ -248,6 +248,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         for inst in held:
             inst.inflight += 1
         md, finished, prefill = None, False, None
+        md_tried: list = []  # every MD a Reserve was sent to: released even if it never answered
 
         def unhold():  # idempotent: this request no longer loads its instances
             while held:
@@ -255,7 +256,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             try:
                 if use_md:
-                    md, st.cached_md = await self._reserve_main(spec, sid, pl.md)
+                    md, st.cached_md = await self._reserve_main(spec, sid, pl.md, md_tried)
                     md.inflight += 1
                     held.append(md)
                 if use_rld:
@@ -347,6 +348,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if not finished:
                 self.counters["requests.failed"] += 1
             insts = [pl.p] + ([pl.rld] if use_rld else []) + ([md] if md else [])
+            insts += [i for i in md_tried if i is not md]  # a cancel during Reserve must not orphan it
             if complete:
                 self.counters["main_completed_in_background"] += 1
             self._spawn(self._release(rid, insts, prefill if complete else None, st))
@@ -360,12 +362,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         info = await self._info(p_inst)
         return 2 * info.num_layers * info.num_kv_heads * info.head_dim * _ITEMSIZE.get(info.dtype, 4)
 
-    async def _reserve_main(self, spec, sid, first):
+    async def _reserve_main(self, spec, sid, first, attempted: list):
         """Reserve on the chosen MD; a full (RESOURCE_EXHAUSTED) or gone MD falls back to the
-        least-loaded other one. -> (instance, cached tokens)."""
+        least-loaded other one. -> (instance, cached tokens). `attempted` collects every MD
+        asked, so the caller releases them all if it is cancelled midway."""
         inst, tried = first, []
         while True:
             try:
+                attempted.append(inst)
                 r = await self._stub(inst).Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True))
                 return inst, r.cached_tokens
             except grpc.aio.AioRpcError as e:

@@ -102,8 +102,7 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
         wan = stack.get("wan", {})
         wan_addrs = []
         for a in addr["main"]:
-            host, mport = a.rsplit(":", 1)
-            links.append(WanLink(host, int(mport), float(wan.get("mbps", 0)), float(wan.get("latency_ms", 0))))
+            links.append(WanLink.from_settings(a, wan))  # bandwidth, latency, jitter, trace, stalls
             wan_addrs.append(await links[-1].start(stack.get("host", "127.0.0.1")))
         rstack = {**stack, "router": {**stack.get("router", {}), "prefill": addr["prefill"], "relay": addr["relay"],
                                       "main": addr["main"], "main_wan": wan_addrs}}

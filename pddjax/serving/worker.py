@@ -33,6 +33,11 @@ class EngineWorker:
         self._q.put((fn, args, cf))
         return asyncio.wrap_future(cf, loop=self.loop)
 
+    def run_soon(self, fn: Callable, *args) -> None:
+        """Run fn(engine, *args) on the engine thread and do not wait: for cleanup in `finally`
+        blocks, where an awaited `call` could itself be cancelled and then skipped."""
+        self._q.put((fn, args, None))
+
     def post(self, fn: Callable, *args) -> None:
         """From the engine thread: run fn(*args) on the event loop."""
         self.loop.call_soon_threadsafe(fn, *args)
@@ -52,7 +57,12 @@ class EngineWorker:
                 if item is None:
                     return
                 fn, args, cf = item
-                if cf.set_running_or_notify_cancel():
+                if cf is None:
+                    try:
+                        fn(self.engine, *args)
+                    except Exception:  # noqa: BLE001  (cleanup must not kill the thread)
+                        traceback.print_exc()
+                elif cf.set_running_or_notify_cancel():
                     try:
                         cf.set_result(fn(self.engine, *args))
                     except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
