@@ -35,6 +35,7 @@ from pddjax.kv.allocator import OutOfPages
 from pddjax.kv.canonical import KVImportError
 from pddjax.serving import rpc
 from pddjax.serving.kvwire import Assembler, WireError
+from pddjax.serving.engine_rpcs import EngineRpcs
 from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
 from pddjax.serving.worker import EngineWorker
 
@@ -55,7 +56,7 @@ LEASE_SECONDS = float(os.environ.get("PDDJAX_LEASE_SECONDS", "60"))
 TOMBSTONES = 10000  # cancelled request ids remembered (a late Reserve for one is refused)
 
 
-class DecodeService(cluster_pb2_grpc.DecodeServicer):
+class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
     def __init__(self, role: str, engine, model_config, info: dict):
         self.role, self.engine, self.cfg, self.info = role, engine, model_config, info
         self.slots: dict[str, Slot] = {}
@@ -137,17 +138,6 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
                     self.worker.post(_resolve, w[1], seq.pages.num_tokens - len(seq.prompt))
 
     # ---- RPCs -------------------------------------------------------------------------
-    async def Info(self, request, context):
-        pages, n, err = await self.worker.call(_info)
-        return cluster_pb2.ServiceInfo(**self.info, pages_active=pages, requests=n, integrity_error=err)
-
-    async def MatchPrefix(self, request, context):
-        S = self.engine.config.page_size
-        if request.page_size != S:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page hashes must be computed at page size {S}, got {request.page_size}")
-        pages = await self.worker.call(lambda e: e.prefix_hit_by_hashes(list(request.page_hashes)))
-        return cluster_pb2.MatchPrefixResponse(matched_pages=pages, matched_tokens=pages * S, page_size=S)
-
     async def Reserve(self, request, context):
         rid, prompt, params, max_tokens, stop_ids = rpc.spec_from_pb(request.spec)
         err = validate_spec(self.cfg, rid, prompt, params, max_tokens)
@@ -385,11 +375,3 @@ def validate_spec(cfg, rid, prompt, params, max_tokens) -> str | None:
         return str(e)
     return None
 
-
-def _info(e):
-    try:
-        e.check_integrity()
-        err = ""
-    except AssertionError as x:
-        err = str(x) or "check_integrity failed"
-    return e.num_pages_active, len(e.seqs), err

@@ -20,11 +20,12 @@ import grpc
 from pddjax.kv.allocator import OutOfPages
 from pddjax.serving import kvwire, rpc
 from pddjax.serving.decode_service import validate_spec
+from pddjax.serving.engine_rpcs import EngineRpcs
 from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc
 from pddjax.serving.worker import EngineWorker
 
 
-class PrefillService(cluster_pb2_grpc.PrefillServicer):
+class PrefillService(EngineRpcs, cluster_pb2_grpc.PrefillServicer):
     def __init__(self, engine, model_config, info: dict):
         self.engine, self.cfg, self.info = engine, model_config, info
         self.progress: dict[str, _Progress] = {}  # requests still prefilling (engine thread)
@@ -34,17 +35,6 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
 
     def start(self, loop) -> None:
         self.worker = EngineWorker(self.engine, loop, self._on_step, name="engine-prefill")
-
-    async def Info(self, request, context):
-        pages, n, err = await self.worker.call(_info)
-        return cluster_pb2.ServiceInfo(**self.info, pages_active=pages, requests=n, integrity_error=err)
-
-    async def MatchPrefix(self, request, context):
-        S = self.engine.config.page_size
-        if request.page_size != S:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page hashes must be computed at page size {S}, got {request.page_size}")
-        pages = await self.worker.call(lambda e: e.prefix_hit_by_hashes(list(request.page_hashes)))
-        return cluster_pb2.MatchPrefixResponse(matched_pages=pages, matched_tokens=pages * S, page_size=S)
 
     async def Prefill(self, request, context):
         rid, prompt, params, max_tokens, stop_ids = rpc.spec_from_pb(request.spec)
@@ -162,11 +152,3 @@ def _resolve(fut, value) -> None:
     if not fut.done():
         fut.set_result(value)
 
-
-def _info(e):
-    try:
-        e.check_integrity()
-        err = ""
-    except AssertionError as x:
-        err = str(x) or "check_integrity failed"
-    return e.num_pages_active, len(e.seqs), err
