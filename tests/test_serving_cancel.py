@@ -24,7 +24,10 @@ STACK = {"model": "tiny", "platform": "cpu",
 PIPELINES = ["pdd", "pd-cross", "pd-local", "auto"]
 
 
-def test_cancel_30_of_100_concurrent_streams(tmp_path, tiny):
+def test_cancel_30_of_100_concurrent_streams(tmp_path, tiny, monkeypatch):
+    # Reservations orphaned by a cancel race are bounded by the decode services' lease; a short
+    # lease keeps this test's wait bounded too (the services inherit the environment).
+    monkeypatch.setenv("PDDJAX_LEASE_SECONDS", "20")
     stack = Stack(STACK, str(tmp_path))
     try:
         rng = random.Random(0)
@@ -64,6 +67,6 @@ def test_cancel_30_of_100_concurrent_streams(tmp_path, tiny):
                 assert results[i] == want, (i, pipeline)
             else:
                 assert results[i] == want[: len(results[i])], (i, pipeline)  # a prefix, never garbage
-        assert_idle(stack, timeout=30)
+        assert_idle(stack, timeout=90)
     finally:
         stack.close()
