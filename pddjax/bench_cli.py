@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
 
 from pddjax.errors import UserError
+from pddjax.report import write_figures
 
 
 def register(sub) -> None:
@@ -30,13 +30,6 @@ def register(sub) -> None:
     for name in ("pddjax.engines.bench_engine", "pddjax.serving.bench_handoff", "pddjax.serving.bench_serve"):
         if importlib.util.find_spec(name) is not None:
             importlib.import_module(name).register(bsub)
-
-
-def _write(figures: dict, path: str | None) -> None:
-    print(json.dumps(figures, indent=2))
-    if path:
-        with open(path, "w") as f:
-            json.dump(figures, f, indent=2)
 
 
 def run_reference(args) -> int:
@@ -94,5 +87,5 @@ def run_reference(args) -> int:
     ms = 1e3 * statistics.median(step_times[2:])
     figures["decode_ms_batch1"] = round(ms, 2)
     figures["decode_tokens_per_s_batch1"] = round(1e3 / ms, 1)
-    _write(figures, args.json)
+    write_figures(figures, args.json)
     return 0

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from pddjax.serving.up import Child, spawn, stop_all
+from pddjax.serving.up import Child, spawn, stop_all, wait_ready
 from pddjax.serving.wanlink import WanLink
 
 
@@ -36,20 +36,6 @@ class LinkThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def wait_files(children: list[Child], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while any(c.address is None for c in children):
-        for c in children:
-            if c.address is None and os.path.exists(c.ready_file):
-                with open(c.ready_file) as f:
-                    c.address = json.load(f)["address"]
-            if c.address is None and c.proc.poll() is not None:
-                raise RuntimeError(f"{c.role} exited with {c.proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError("services did not start")
-        time.sleep(0.1)
-
-
 class Stack:
     """P, RLD, MD and the router as processes; P and RLD reach MD through `link`."""
 
@@ -62,7 +48,7 @@ class Stack:
             with open(cfg, "w") as f:
                 json.dump(stack, f)
             self.children = [spawn(r, cfg, workdir, log=self.log) for r in ("prefill", "relay", "main")]
-            wait_files(self.children, timeout)
+            asyncio.run(wait_ready(self.children, timeout))
             self.addr = {c.role: c.address for c in self.children}
             self.link = LinkThread(self.addr["main"])
             rstack = {**stack, "router": {**stack.get("router", {}), "prefill": self.addr["prefill"],
@@ -73,7 +59,7 @@ class Stack:
                 json.dump(rstack, f)
             router = spawn("router", rcfg, workdir, log=self.log)
             self.children.append(router)
-            wait_files([router], timeout)
+            asyncio.run(wait_ready([router], timeout))
             self.addr["router"] = router.address
         except BaseException:
             self.close()

@@ -8,13 +8,13 @@ batch building included). PDD's premise: extend_ms["64"] is close to decode_ms["
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 import numpy as np
 
 from pddjax.errors import UserError
+from pddjax.report import write_figures
 
 CONTEXT = 256
 
@@ -81,7 +81,6 @@ def run(args) -> int:
 
     figures = {"model": cfg.name, "dtype": args.dtype, "attention": impl, "backend": jax.default_backend(),
                "page_size": args.page_size, "context": CONTEXT, "decode_ms": {}, "extend_ms": {}}
-    timed = []  # closures to re-run after warm-up to count compiles
     for b in batches:
         ids = [f"d{b}-{i}" for i in range(b)]
         for i in ids:
@@ -89,7 +88,6 @@ def run(args) -> int:
         prefill_all(ids)
         eng.step()  # warm-up (compile) for this shape
         figures["decode_ms"][str(b)] = _median_ms(eng.step, args.repeats)
-        timed.append(eng.step)
         for i in ids:
             eng.release(i, cache=False)
     base = prompt(CONTEXT)  # extend rows sit on a cached 256-token context
@@ -108,7 +106,6 @@ def run(args) -> int:
 
         extend_step(cache=True)  # compile + fill the prefix cache
         figures["extend_ms"][str(k)] = round(1e3 * statistics.median(extend_step() for _ in range(args.repeats)), 2)
-        timed.append(extend_step)
     sid, n_pre = "prefill", min(512, cfg.max_context - 1)
 
     def prefill_once():
@@ -136,8 +133,5 @@ def run(args) -> int:
     if d1 and e64:
         figures["extend64_over_decode1"] = round(e64 / d1, 2)
     eng.check_integrity()
-    print(json.dumps(figures, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+    write_figures(figures, args.json)
     return 0

@@ -13,7 +13,6 @@ transfers feel bandwidth swings and queueing while a 1.5 KB message barely notic
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import struct
@@ -22,6 +21,7 @@ import time
 import numpy as np
 
 from pddjax.errors import UserError
+from pddjax.report import write_figures
 
 CONTEXT = 256
 
@@ -185,8 +185,5 @@ async def _run(args) -> int:
            "token_ids": summary("token_ids"), "kv": summary("kv")}
     out["payload_ratio"] = round(out["kv"]["bytes"] / out["token_ids"]["bytes"], 1)
     main.check_integrity()
-    print(json.dumps(out, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_figures(out, args.json)
     return 0

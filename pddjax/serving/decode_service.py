@@ -140,7 +140,7 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
     # ---- RPCs -------------------------------------------------------------------------
     async def Reserve(self, request, context):
         rid, prompt, params, max_tokens, stop_ids = rpc.spec_from_pb(request.spec)
-        err = validate_spec(self.cfg, rid, prompt, params, max_tokens)
+        err = rpc.validate_spec(self.cfg, rid, prompt, params, max_tokens)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         if rid in self.slots:
@@ -354,24 +354,3 @@ def _resume(e, rid):
     seq = e.seqs.get(rid)
     if seq is not None:
         seq.paused = False
-
-
-def validate_spec(cfg, rid, prompt, params, max_tokens) -> str | None:
-    """One sentence on what is wrong with a request, or None."""
-    if not rid:
-        return "the request has no request_id"
-    if not prompt:
-        return "the prompt is empty"
-    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-    if bad:
-        return f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
-    if max_tokens < 1:
-        return f"max_tokens must be at least 1, got {max_tokens}"
-    if len(prompt) + max_tokens > cfg.max_context:
-        return f"prompt ({len(prompt)} tokens) plus max_tokens {max_tokens} exceeds the model context of {cfg.max_context}"
-    try:
-        params.validate()
-    except ValueError as e:
-        return str(e)
-    return None
-

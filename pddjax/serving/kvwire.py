@@ -8,7 +8,6 @@ casts into its own pool dtype and page size (pddjax.kv.canonical.import_run).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
 
 import numpy as np
 

@@ -19,7 +19,6 @@ import grpc
 
 from pddjax.kv.allocator import OutOfPages
 from pddjax.serving import kvwire, rpc
-from pddjax.serving.decode_service import validate_spec
 from pddjax.serving.engine_rpcs import EngineRpcs
 from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc
 from pddjax.serving.worker import EngineWorker
@@ -38,7 +37,7 @@ class PrefillService(EngineRpcs, cluster_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request, context):
         rid, prompt, params, max_tokens, stop_ids = rpc.spec_from_pb(request.spec)
-        err = validate_spec(self.cfg, rid, prompt, params, max_tokens)
+        err = rpc.validate_spec(self.cfg, rid, prompt, params, max_tokens)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         if rid in self.progress or rid in self.pushes:

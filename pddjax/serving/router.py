@@ -35,7 +35,6 @@ import grpc
 from pddjax.kv.page_hash import chain_hashes
 from pddjax.serving import pools, rpc
 from pddjax.serving.config import RouterSettings
-from pddjax.serving.decode_service import validate_spec
 from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
 from pddjax.serving.policy import (PD_LOCAL, Ewma, FilterWindow, Inputs, LinkEstimator, PolicyConfig, SessionTracker,
                                    decide)
@@ -221,7 +220,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         max_tokens = int(req.max_tokens)
         rid = req.request_id or uuid.uuid4().hex
         sid = req.session_id
-        err = validate_spec(self.cfg, rid, prompt, params, max_tokens)
+        err = rpc.validate_spec(self.cfg, rid, prompt, params, max_tokens)
         if err:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         if req.pipeline not in PIPELINE_NAMES:

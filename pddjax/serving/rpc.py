@@ -97,3 +97,23 @@ def spec_from_pb(spec: cluster_pb2.SequenceSpec):
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "cancelled": common_pb2.FINISH_REASON_CANCELLED, None: common_pb2.FINISH_REASON_UNSPECIFIED}
+
+
+def validate_spec(cfg, rid, prompt, params, max_tokens) -> str | None:
+    """One sentence on what is wrong with a request, or None."""
+    if not rid:
+        return "the request has no request_id"
+    if not prompt:
+        return "the prompt is empty"
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
+    if max_tokens < 1:
+        return f"max_tokens must be at least 1, got {max_tokens}"
+    if len(prompt) + max_tokens > cfg.max_context:
+        return f"prompt ({len(prompt)} tokens) plus max_tokens {max_tokens} exceeds the model context of {cfg.max_context}"
+    try:
+        params.validate()
+    except ValueError as e:
+        return str(e)
+    return None

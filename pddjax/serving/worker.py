@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -23,7 +24,8 @@ class EngineWorker:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
         self.steps = 0
-        self.metrics = None  # a ServiceMetrics: engine gauges are set from this thread after each round
+        self.metrics = None  # a ServiceMetrics: engine gauges are set from this thread (<= 4 per s, and when idle)
+        self._snapshot_at = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -79,7 +81,9 @@ class EngineWorker:
                         self.on_step(events)
                 except Exception:  # noqa: BLE001  (keep serving; the failure is logged)
                     traceback.print_exc()
-            if self.metrics is not None:
+            now = time.monotonic()
+            if self.metrics is not None and (now - self._snapshot_at >= 0.25 or not self.engine.has_work()):
+                self._snapshot_at = now  # num_pages_active walks every sequence: not on every step
                 self.metrics.engine_snapshot(self.snapshot())
 
     def snapshot(self) -> dict:
