@@ -1,6 +1,7 @@
-"""`pddjax bench serve` end to end on the tiny model: a 2-3 session trace through every mode
-(fresh stacks, emulated WAN), the JSON schema the simulator and the issue ask for, the output
-identity check, and the figures helpers on hand-made records."""
+"""`pddjax bench serve` end to end on the tiny model: a 3-session trace (2 history turns, 3
+measured ones, one of them continuing a history turn) through every mode (fresh stacks,
+emulated WAN), the JSON schema the simulator and the issue ask for, the output identity check,
+and the figures helpers on hand-made records."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def small_trace(path):
-    cfg = WorkloadConfig(seed=3, duration_s=6.0, session_rate=0.5, turns_mean=2.0, turns_max=3, context_tokens=160,
-                         output_median=6, output_sigma=0.5, output_max=12, n_docs=2, think_mean_s=0.1)
+    cfg = WorkloadConfig(seed=6, duration_s=6.0, session_rate=0.5, turns_mean=2.0, turns_max=3, context_tokens=160,
+                         output_median=6, output_sigma=0.5, output_max=12, n_docs=2, think_mean_s=0.1, warm_start_s=2.0)
     reqs = generate(cfg)
     sessions = sorted({r.session_id for r in reqs})[:3]
     reqs = [r for r in reqs if r.session_id in sessions]
@@ -31,6 +32,9 @@ def test_bench_serve_end_to_end_writes_the_schema(tmp_path):
     trace = tmp_path / "trace.jsonl"
     reqs = small_trace(trace)
     assert 2 <= len({r.session_id for r in reqs}) <= 3
+    measured = [r for r in reqs if r.arrival_s >= 0]
+    assert 0 < len(measured) < len(reqs)  # history turns first, unmeasured
+    assert any(r.turn > 0 and any(h.session_id == r.session_id and h.arrival_s < 0 for h in reqs) for r in measured)
     out = tmp_path / "bench.json"
     p = subprocess.run([sys.executable, "-m", "pddjax", "bench", "serve", "--model", "tiny", "--trace", str(trace),
                         "--json", str(out), "--wan-mbps", "20", "--wan-latency-ms", "5", "--wan-jitter-ms", "1",
@@ -39,11 +43,12 @@ def test_bench_serve_end_to_end_writes_the_schema(tmp_path):
     res = json.loads(out.read_text())
     assert set(res["modes"]) == {"pdd", "pd-cross", "pd-local", "pdd-drc-off"}
     for name, m in res["modes"].items():
-        assert m["completed"] == len(reqs), (name, m)
+        assert m["completed"] == m["requests"] == len(measured), (name, m)
+        assert m["history_errors"] == 0 and m["history_s"] >= 0
         for s in ("p50", "p90", "p99", "max"):
             assert m["ttft_ms"][s] > 0
         assert isinstance(m["wan_bytes"], int) and 0.0 <= m["rld_token_share"] <= 1.0
-        assert sum(m["pipelines"].values()) == len(reqs)
+        assert sum(m["pipelines"].values()) == len(measured)
         for k in ("tpot_ms", "itl_ms", "e2e_ms", "req_per_s", "handoff"):
             assert k in m
     assert res["modes"]["pd-local"]["rld_token_share"] == 1.0
@@ -75,6 +80,21 @@ def test_figures_identity_and_targets_by_hand():
                                                                   "first_diff": 1, "against": "pdd"}
     t = bs.targets({"pdd": m, "pd-cross": bs.mode_figures(b, 2.0, 1000, 0), "pd-local": m,
                     "pdd-drc-off": {**m, "wan_bytes": 6000}})
-    assert t["pdd_p99_over_pd_local"]["met"] and t["wan_bytes_drc_off_over_on"]["value"] == 6.0
+    assert t["pdd_p99_over_pd_local"]["met"] and t["wan_bytes_delivered_drc_off_over_on"]["value"] == 6.0
     assert t["pdd_p99_over_pd_cross"]["met"] == (t["pdd_p99_over_pd_cross"]["value"] <= 0.5)
     assert math.isnan(bs.pct([])["p50"] or math.nan)
+
+
+def test_drc_target_counts_kv_the_requests_put_on_the_line():
+    """DRC saves the prompt tokens MD already holds: 100-token prompts, 90 held with DRC, 0 without;
+    a request the policy kept local (pd-local) puts nothing on the line."""
+    on = [rec("r1", [1], pipeline="pdd"), rec("r2", [2], pipeline="pd-cross"), rec("r3", [3], pipeline="pd-local")]
+    for r in on[:2]:
+        r.cached_on_main = 90
+    off = [rec("r1", [1], pipeline="pdd"), rec("r2", [2], pipeline="pd-local"), rec("r3", [3], pipeline="pdd")]
+    m_on, m_off = bs.mode_figures(on, 1.0, 500, 0), bs.mode_figures(off, 1.0, 600, 0)
+    assert m_on["kv_tokens_to_main"] == 20 and m_off["kv_tokens_to_main"] == 200
+    t = bs.targets({"pdd": m_on, "pdd-drc-off": m_off}, {"pdd": on, "pdd-drc-off": off})
+    assert t["wan_kv_drc_off_over_on"] == {"value": 10.0, "target": ">= 5", "met": True}
+    assert t["wan_kv_same_requests_drc_off_over_on"]["value"] == 10.0  # r1 only: 100 / 10
+    assert t["wan_bytes_delivered_drc_off_over_on"]["value"] == 1.2
