@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 
 import jax.numpy as jnp
 import numpy as np
@@ -61,8 +62,12 @@ def test_state_file(up):
     s = up.read_state()
     roles = sorted(x["role"] for x in s["services"])
     assert roles == ["main", "prefill", "relay", "router"]
-    for x in s["services"]:
-        assert pid_alive(x["pid"]) and ":" in x["address"] and "metrics" in x
+    for x in s["services"]:  # every service's Prometheus endpoint is listed and serves
+        assert pid_alive(x["pid"]) and ":" in x["address"] and x["metrics"].startswith("http://")
+        with urllib.request.urlopen(x["metrics"], timeout=10) as r:
+            text = r.read().decode()
+        assert "pddjax_rpc_inflight" in text
+        assert ("pddjax_router_ttft_seconds" if x["role"] == "router" else "pddjax_kv_pages_active") in text
     assert s["router"] == next(x["address"] for x in s["services"] if x["role"] == "router")
     assert s["wan"]["latency_ms"] == 5.0 and s["wan"]["target"] == next(
         x["address"] for x in s["services"] if x["role"] == "main")

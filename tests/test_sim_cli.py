@@ -5,10 +5,20 @@ import json
 import pytest
 
 from pddjax.cli import main
+from pddjax.workload import generate
+from pddjax.workload.config import WorkloadConfig
 
 ENGINE = {"model": "smollm2-135m", "decode_ms": {"1": 9.1, "8": 10.4, "32": 15.0},
           "extend_ms": {"1": 9.0, "16": 11.2, "64": 19.8}, "prefill_tokens_per_s": 5200.0}
-MEASURED = {"modes": {m: {"ttft_ms": {"p50": 300, "p90": 600, "p99": 900}} for m in ("pdd", "pd-cross", "pd-local")}}
+# A benchmark JSON as `bench serve` writes it (the parts validation reads): a small workload
+# with history, the emulated WAN, per-mode TTFT percentiles.
+WORKLOAD = {"seed": 0, "duration_s": 8.0, "session_rate": 0.3, "turns_mean": 3.0, "turns_max": 4,
+            "context_tokens": 256, "context_spread": 0.1, "n_docs": 2, "doc_zipf": 1.1,
+            "hit_mix": [[0.76, 0.95, 1.0], [0.17, 0.6, 0.95], [0.07, 0.0, 0.6]], "output_median": 8,
+            "output_sigma": 0.8, "output_max": 32, "output_fixed": None, "think_mean_s": 1.0,
+            "nominal_ttft_s": 1.0, "nominal_tpot_s": 0.02, "warm_start_s": 5.0}
+MEASURED = {"modes": {m: {"ttft_ms": {"p50": 300, "p90": 600, "p99": 900}} for m in ("pdd", "pd-cross", "pd-local")},
+            "wan": {"mbps": 20.0, "latency_ms": 20.0, "jitter_ms": 5.0}, "trace": {"config": WORKLOAD}}
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -50,11 +60,37 @@ def test_validate_prints_predicted_against_measured(tmp_path, capsys):
     measured.write_text(json.dumps(MEASURED))
     engine.write_text(json.dumps(ENGINE))
     assert main(["sim", "--scenario", "validate", "--measured", str(measured), "--engine-profile", str(engine),
-                 "--wan-gbps", "0.5", "--wan-ms", "20", "--json", str(out)]) == 0
+                 "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| pdd | p50 |" in table and "| pd-local | p99 |" in table
-    rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 6 and all(r["predicted_ms"] > 0 for r in rows)
+    result = json.loads(out.read_text())
+    assert len(result["rows"]) == 6 and all(r["predicted_ms"] > 0 for r in result["rows"])
+    assert result["wan"] == {"mbps": 20.0, "latency_ms": 20.0, "jitter_ms": 5.0}  # the benchmark's
+    trace = generate(WorkloadConfig(**{**WORKLOAD, "hit_mix": tuple(map(tuple, WORKLOAD["hit_mix"]))}))
+    live = sum(r.arrival_s >= 0 for r in trace)
+    assert 0 < live < len(trace)  # the workload has history and measured turns
+    for m in ("pdd", "pd-cross", "pd-local"):  # every measured turn simulated, none of the history
+        assert result["predicted"]["modes"][m]["ttft_ms"]["n"] == live
+
+
+def test_validate_rejects_a_bad_calibration(tmp_path, capsys):
+    measured, engine, cal = tmp_path / "m.json", tmp_path / "e.json", tmp_path / "c.json"
+    measured.write_text(json.dumps(MEASURED))
+    engine.write_text(json.dumps(ENGINE))
+    cal.write_text(json.dumps({"attention_ns_per_pair": -1}))
+    argv = ["sim", "--scenario", "validate", "--measured", str(measured), "--engine-profile", str(engine)]
+    assert main([*argv, "--calibration", str(cal)]) == 2
+    assert "attention_ns_per_pair" in capsys.readouterr().err
+    assert main([*argv, "--calibration", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read calibration" in capsys.readouterr().err
+
+
+def test_validate_without_trace_or_workload_config_says_so(tmp_path, capsys):
+    measured, engine = tmp_path / "m.json", tmp_path / "e.json"
+    measured.write_text(json.dumps({**MEASURED, "trace": {}}))
+    engine.write_text(json.dumps(ENGINE))
+    assert main(["sim", "--scenario", "validate", "--measured", str(measured), "--engine-profile", str(engine)]) == 2
+    assert "--trace FILE" in capsys.readouterr().err
 
 
 def test_plan_small_model_runs(tmp_path, capsys):

@@ -232,13 +232,20 @@ class PagedEngine:
             raise ValueError(f"cannot export tokens [{start}, {end}) of {seq_id}: {seq.pages.num_tokens} computed")
         return export_run(self.pool, seq.pages.pages, start, end, self.fingerprint)
 
+    def cache_prefix(self, seq_id: str) -> None:
+        """Insert a live sequence's computed full pages into the prefix cache (if on) now; the
+        sequence keeps its own references (P: its cache serves a prompt at once while the pages
+        are still held for a peer's transfer). Pages already cached are not taken twice."""
+        seq = self.seqs[seq_id]
+        done = seq.pages.num_tokens // self.config.page_size * self.config.page_size
+        if self.config.prefix_cache and done:
+            self.radix.insert(seq.all_tokens()[:done], seq.pages.pages)
+
     def release(self, seq_id: str, cache: bool = True) -> None:
         """Drop a sequence; its computed full pages go into the prefix cache first (if on)."""
+        if cache:
+            self.cache_prefix(seq_id)
         seq = self.seqs.pop(seq_id)
-        if cache and self.config.prefix_cache:
-            done = seq.pages.num_tokens // self.config.page_size * self.config.page_size
-            if done:
-                self.radix.insert(seq.all_tokens()[:done], seq.pages.pages)
         if seq.prefix_node is not None:
             self.radix.unlock(seq.prefix_node)
         self.allocator.decref(seq.pages.pages)

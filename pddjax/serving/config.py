@@ -12,7 +12,9 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
                               # role), main_wan (MD as cluster A reaches it, parallel to main);
                               # handoff ("auto" | "one-shot" | "chunked"), handoff_threshold,
                               # chunk_bytes; auto policy: ttft_budget_ms, filter_cap, filter_window,
-                              # drift_tolerance, *_prior estimates; health_interval_s/_timeout_s
+                              # drift_tolerance, *_prior estimates; health_interval_s/_timeout_s;
+                              # admission: max_inflight = 256 requests served at once, max_queue =
+                              # 512 waiting for a slot; past both Generate answers RESOURCE_EXHAUSTED
     [wan]                     # mbps (0 = unlimited), latency_ms  (pddjax up's A -> B link)
 
 Swapping a cluster's hardware is a change of `platform`, `dtype`, `page_size`, `attention`
@@ -51,11 +53,16 @@ class RouterSettings:
     health_interval_s: float = 1.0  # grpc.health.v1 checks of every instance
     health_timeout_s: float = 2.0
     background_timeout_s: float = 300.0  # a KV push finishing after its request (MD's context) gives up after this
+    max_inflight: int = 256  # requests served at once (router_admission.py)
+    max_queue: int = 512  # requests waiting (FIFO) for a slot; past both: RESOURCE_EXHAUSTED at once
 
     def __post_init__(self):
         for f in ("prefill", "relay", "main", "main_wan"):
             v = getattr(self, f)
             setattr(self, f, [a for a in v.split(",") if a] if isinstance(v, str) else list(v))
+        if int(self.max_inflight) < 1 or int(self.max_queue) < 0:
+            raise UserError(f"[router] max_inflight must be >= 1 and max_queue >= 0, "
+                            f"got {self.max_inflight} and {self.max_queue}")
         if self.main_wan and len(self.main_wan) != len(self.main):
             raise UserError(f"[router] main_wan lists {len(self.main_wan)} addresses "
                             f"for {len(self.main)} main instances")

@@ -11,6 +11,8 @@ A request's life here:
                handed_off_at = N and RLD releases the request.
   HandoffTokens (MD) append RLD's tokens and extend-decode them; a non-final chunk is
                acknowledged once MD has caught up on it; on the final one MD emits from N on.
+               Applied once per (request, chunk_seq | final): RLD retries a try whose
+               connection broke or whose answer was lost, and MD answers a repeat like the first.
   Release      idempotent; `cache` inserts the computed context into the prefix cache (DRC).
                A cancel leaves a tombstone: a Reserve arriving late for that id is ABORTED.
 Leases: a reservation with no open Decode stream and no traffic (PushKV, Handoff*) for
@@ -23,20 +25,24 @@ heterogeneous pair) are rolled back and recomputed: the user's stream is RLD's u
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import dataclasses
 import os
+import sys
 import time
+import zlib
 
 import grpc
 
 from pddjax.kv.allocator import OutOfPages
 from pddjax.kv.canonical import KVImportError
 from pddjax.serving import rpc
-from pddjax.serving.kvwire import Assembler, WireError
 from pddjax.serving.engine_rpcs import EngineRpcs
+from pddjax.serving.kvwire import Assembler, WireError
 from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
+from pddjax.serving.pools import CHANNEL_OPTIONS as PEER_CHANNEL_OPTIONS
 from pddjax.serving.worker import EngineWorker
 
 
@@ -50,10 +56,16 @@ class Slot:
     decoding: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # KV landed, tokens flow
     touched: float = dataclasses.field(default_factory=time.monotonic)  # last RPC about it (lease)
     streams: int = 0  # open Decode streams (a stream keeps the lease)
+    born: float = dataclasses.field(default_factory=time.monotonic)
+    reported: bool = False  # logged once when it outlives LINGER_LEASES leases (diagnostics)
 
 
 LEASE_SECONDS = float(os.environ.get("PDDJAX_LEASE_SECONDS", "60"))
+HANDOFF_TIMEOUT_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_TIMEOUT_SECONDS", "10"))  # per HandoffTokens try
+HANDOFF_RETRY_WAITS = (0.2, 0.5, 1.0)  # before each retry of the same chunk (MD applies it once)
+LINGER_LEASES = 3  # a slot alive this many leases is logged once with its state
 TOMBSTONES = 10000  # cancelled request ids remembered (a late Reserve for one is refused)
+HANDOFFS_REMEMBERED = 10000  # MD: applied handoff chunks (a retry is answered, never applied twice)
 
 
 class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
@@ -64,6 +76,9 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
         self.worker: EngineWorker | None = None
         self.cancelled: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.leases_expired = 0
+        # MD: (request, chunk_seq | "final") -> ((start, tokens' crc), ack future); outlives the slot, so a
+        # retry whose answer was lost is answered even after the request finished here
+        self.handoffs: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
 
     def start(self, loop) -> None:
         self.worker = EngineWorker(self.engine, loop, self._on_step, name=f"engine-{self.role}")
@@ -84,7 +99,20 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
                     failure = _RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
                                           f"the reservation of {slot.request_id} on {self.role} expired "
                                           f"after {LEASE_SECONDS:.0f} s without traffic")
-                    await self.worker.call(lambda e, s=slot: self._close(s, failure, cache=False))
+                    await self.worker.call(lambda e, s=slot, f=failure: self._close(s, f, cache=False))
+                elif not slot.closed and not slot.reported and now - slot.born > LINGER_LEASES * LEASE_SECONDS:
+                    slot.reported = True  # legitimate for a long generation; a leak shows up here first
+                    print(f"{self.role}: {slot.request_id} alive {now - slot.born:.0f} s "
+                          f"({await self.worker.call(self._describe, slot)})", file=sys.stderr, flush=True)
+
+    def _describe(self, e, slot: Slot) -> str:
+        """Engine thread: one line of a slot's state (diagnostics of a request that lingers)."""
+        seq = e.seqs.get(slot.request_id)
+        state = "no sequence" if seq is None else (
+            f"paused={seq.paused} kv={seq.pages.num_tokens}/{len(seq.prompt)} generated={len(seq.generated)} "
+            f"pending={seq.num_pending} finish={seq.finish_reason}")
+        return (f"streams={slot.streams} emit_from={slot.emit_from} decoding={slot.decoding.is_set()} "
+                f"idle {time.monotonic() - slot.touched:.0f} s; {state}")
 
     # ---- engine-thread helpers ----------------------------------------------------------
     def _put(self, slot: Slot, item) -> None:
@@ -174,36 +202,56 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
                 rid = rid or chunk.request_id
                 self._touch(rid)
                 if rid not in self.slots:
-                    raise WireError("NOT_FOUND", f"request {rid} is not reserved on {self.role}")
+                    raise self._gone(rid)
                 run = asm.feed(chunk)
                 if run is not None:
-                    await self.worker.call(lambda e: e.import_kv(rid, run))
+                    if not await self.worker.call(self._import, rid, run):
+                        raise self._gone(rid)  # released while its KV was on the way: dropped
                     imported += run.num_tokens
                 if chunk.last:
-                    await self.worker.call(self._kv_complete, rid, list(chunk.known_tokens))
+                    if not await self.worker.call(self._kv_complete, rid, list(chunk.known_tokens)):
+                        raise self._gone(rid)
                     return cluster_pb2.PushKVResponse(tokens_imported=imported, bytes_received=asm.bytes, chunks=asm.next_seq)
         except (WireError, KVImportError) as e:
             code = e.code_name if isinstance(e, WireError) else "FAILED_PRECONDITION"
-            if rid in self.slots and code != "NOT_FOUND":  # never decoded: drop it
+            if rid in self.slots and code not in ("NOT_FOUND", "ABORTED"):  # never decoded: drop it
                 await self.worker.call(self._fail, rid, getattr(grpc.StatusCode, code), str(e))
             await context.abort(getattr(grpc.StatusCode, code), str(e))
         await context.abort(grpc.StatusCode.DATA_LOSS, f"KV stream for {rid} ended before its last chunk")
+
+    def _gone(self, rid) -> WireError:
+        """A chunk for a request that is not (or no longer) here: late after a cancel, or unknown."""
+        if rid in self.cancelled:
+            return WireError("ABORTED", f"request {rid} was released on {self.role}; its KV is dropped")
+        return WireError("NOT_FOUND", f"request {rid} is not reserved on {self.role}")
+
+    def _import(self, e, rid, run) -> bool:
+        """Engine thread: write a KV piece if the request is still open here (else drop it)."""
+        slot = self.slots.get(rid)
+        if slot is None or slot.closed or rid not in e.seqs:
+            return False
+        e.import_kv(rid, run)
+        return True
 
     def _fail(self, e, rid, code, message):
         slot = self.slots.get(rid)
         if slot is not None:
             self._close(slot, _RpcFailure(code, message), cache=False)
 
-    def _kv_complete(self, e, rid, known):
+    def _kv_complete(self, e, rid, known) -> bool:
+        """Engine thread: the last chunk landed. False if the request is no longer open here."""
         slot, seq = self.slots.get(rid), e.seqs.get(rid)
         if slot is None or seq is None or slot.closed:
-            return
+            return False
+        if slot.emit_from is not None:
+            return True  # a second push, from a P that replaced a failed one, changes nothing
         if known:
             seq.append_known(0, known)
             seq.paused = False
             slot.emit_from = 0
             self.worker.post(slot.decoding.set)
             self._emit_held(slot)
+        return True
 
     async def Decode(self, request, context):
         slot = self.slots.get(request.request_id)
@@ -231,7 +279,7 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
         # MD may hold its KV before RLD does (a large DRC hit): hand off only once RLD decodes
         await slot.decoding.wait()
-        ch = self.channels.get(request.main_address) or rpc.channel(request.main_address)
+        ch = self.channels.get(request.main_address) or rpc.channel(request.main_address, PEER_CHANNEL_OPTIONS)
         self.channels[request.main_address] = ch
         md = cluster_pb2_grpc.DecodeStub(ch)
         chunked = request.mode == common_pb2.HANDOFF_MODE_CHUNKED
@@ -242,7 +290,7 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
             if toks is None:  # RLD finished first
                 return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
             if chunked and len(toks) - sent > threshold:
-                await md.HandoffTokens(cluster_pb2.HandoffTokensRequest(
+                await self._send_tokens(md, cluster_pb2.HandoffTokensRequest(
                     request_id=rid, start_position=sent, token_ids=toks[sent:], final=False, chunk_seq=chunks))
                 sent, chunks = len(toks), chunks + 1
                 continue
@@ -250,13 +298,28 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
             if toks is None:
                 return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
             try:
-                await md.HandoffTokens(cluster_pb2.HandoffTokensRequest(
+                await self._send_tokens(md, cluster_pb2.HandoffTokensRequest(
                     request_id=rid, start_position=sent, token_ids=toks[sent:], final=True, chunk_seq=chunks))
-            except grpc.aio.AioRpcError:
-                await self.worker.call(_resume, rid)  # MD failed: RLD finishes the request
+            except BaseException:
+                self.worker.run_soon(_resume, rid)  # MD failed (or we were cancelled): RLD finishes the request
                 raise
             await self.worker.call(self._handed_off, rid, len(toks))
             return cluster_pb2.HandoffResponse(handed_off=True, handed_off_at=len(toks), chunks=chunks + 1, tokens=len(toks))
+
+    async def _send_tokens(self, md, req) -> None:
+        """RLD: one HandoffTokens, retried when the connection breaks or the answer is lost
+        (UNAVAILABLE, DEADLINE_EXCEEDED): MD keys it by (request, chunk_seq | final) and applies
+        it once, answering a retry with the first attempt's acknowledgement."""
+        for wait in (*HANDOFF_RETRY_WAITS, None):
+            try:
+                await md.HandoffTokens(req, timeout=HANDOFF_TIMEOUT_SECONDS)
+                return
+            except grpc.aio.AioRpcError as e:
+                if wait is None or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                print(f"{self.role}: handoff {req.request_id} chunk {req.chunk_seq} (final={req.final}) failed "
+                      f"({e.code().name}); retrying in {wait} s", file=sys.stderr, flush=True)
+                await asyncio.sleep(wait)
 
     def _handed_off(self, e, rid, n):
         slot = self.slots.get(rid)
@@ -267,9 +330,23 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
         """MD: append RLD's token IDs (extend-decode them); ack a chunk once caught up."""
         rid = request.request_id
         self._touch(rid)
+        key = (rid, "final" if request.final else request.chunk_seq)
+        sig = (request.start_position, len(request.token_ids), zlib.crc32(array.array("I", request.token_ids)))
+        if key in self.handoffs:  # a retry whose answer was lost, or a duplicate: applied once only
+            first, prev = self.handoffs[key]
+            if first != sig:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"handoff {key[1]} of {rid} was already applied with other tokens")
+            caught = await asyncio.shield(prev)
+            if isinstance(caught, _RpcFailure):
+                await context.abort(caught.code, caught.message)
+            return cluster_pb2.HandoffTokensResponse(caught_up_to=max(caught, 0))
         if rid not in self.slots:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
         fut = asyncio.get_running_loop().create_future()
+        self.handoffs[key] = (sig, fut)
+        while len(self.handoffs) > HANDOFFS_REMEMBERED:
+            self.handoffs.popitem(last=False)
 
         def apply(e):
             seq, slot = e.seqs.get(rid), self.slots.get(rid)
@@ -299,10 +376,12 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
 
         try:
             await self.worker.call(apply)
-        except KeyError:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is no longer on {self.role}")
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (KeyError, ValueError) as e:
+            failure = (_RpcFailure(grpc.StatusCode.NOT_FOUND, f"request {rid} is no longer on {self.role}")
+                       if isinstance(e, KeyError) else _RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+            self.handoffs.pop(key, None)
+            _resolve(fut, failure)  # a duplicate waiting on this attempt fails alike
+            await context.abort(failure.code, failure.message)
         caught = await fut
         return cluster_pb2.HandoffTokensResponse(caught_up_to=max(caught, 0))
 

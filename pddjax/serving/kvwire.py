@@ -1,12 +1,18 @@
 """KV on the wire: a canonical `KVRun` cut into `KVChunk` messages of about `chunk_bytes`
 (sequence number, crc32, model fingerprint in the header), and the receiver's checks.
 
+The crc32 covers every field a receiver acts on (request id, seq, start, token count, last,
+known tokens, k, v), so a flipped bit anywhere but the header is DATA_LOSS; the header is
+checked by value (a flipped fingerprint or dtype is refused, flipped sizes or positions do not
+match the chunks). Nothing is imported before its chunk passed every check.
+
 k and v travel as raw little-endian arrays [L, T, K, D] in the sender's dtype; the receiver
 casts into its own pool dtype and page size (pddjax.kv.canonical.import_run).
 """
 
 from __future__ import annotations
 
+import struct
 import zlib
 
 import numpy as np
@@ -23,8 +29,11 @@ class WireError(Exception):
         self.code_name = code_name
 
 
-def crc(k: bytes, v: bytes) -> int:
-    return zlib.crc32(v, zlib.crc32(k))
+def chunk_crc(c: cluster_pb2.KVChunk) -> int:
+    """zlib.crc32 of (request id, seq, start, num_tokens, last, known tokens) then k then v."""
+    meta = struct.pack(f"<IIII?{len(c.known_tokens)}I", c.seq, c.start, c.num_tokens, len(c.known_tokens), c.last,
+                       *c.known_tokens) + c.request_id.encode()
+    return zlib.crc32(c.v, zlib.crc32(c.k, zlib.crc32(meta)))
 
 
 class Chunker:
@@ -48,12 +57,13 @@ class Chunker:
             k = np.ascontiguousarray(run.k[:, a - run.start:b - run.start]).tobytes()
             v = np.ascontiguousarray(run.v[:, a - run.start:b - run.start]).tobytes()
             c = cluster_pb2.KVChunk(request_id=self.request_id, seq=self.seq, start=a, num_tokens=b - a, k=k, v=v,
-                                    crc32=crc(k, v), last=b == self.end)
+                                    last=b == self.end)
             if self.seq == 0:
                 c.header.CopyFrom(cluster_pb2.KVHeader(fingerprint=run.fingerprint, dtype=run.dtype, num_layers=L,
                                                        num_kv_heads=K, head_dim=D, start=self.start, end=self.end))
             if c.last:
                 c.known_tokens.extend(known_tokens or [])
+            c.crc32 = chunk_crc(c)
             out.append(c)
             self.seq, self.next_pos, self.bytes = self.seq + 1, b, self.bytes + len(k) + len(v)
             a = b
@@ -76,6 +86,8 @@ class Assembler:
         self.next_seq, self.next_pos, self.bytes = 0, 0, 0
 
     def feed(self, c: cluster_pb2.KVChunk) -> KVRun | None:
+        if chunk_crc(c) != c.crc32:
+            raise WireError("DATA_LOSS", f"KV chunk {c.seq} of {c.request_id!r} fails its checksum")
         if c.seq != self.next_seq:
             raise WireError("DATA_LOSS", f"KV chunk {c.seq} arrived where chunk {self.next_seq} was expected")
         if c.seq == 0:
@@ -89,8 +101,6 @@ class Assembler:
                 raise WireError("FAILED_PRECONDITION", f"KV dtype {h.dtype!r} is not one of {sorted(DTYPES)}")
             self.header, self.next_pos = h, h.start
         h = self.header
-        if crc(c.k, c.v) != c.crc32:
-            raise WireError("DATA_LOSS", f"KV chunk {c.seq} fails its checksum")
         if c.start != self.next_pos or c.start + c.num_tokens > h.end:
             raise WireError("DATA_LOSS", f"KV chunk {c.seq} covers tokens from {c.start}, expected {self.next_pos}")
         dt = np.dtype(DTYPES[h.dtype])

@@ -131,7 +131,7 @@ def gated_servicer(service_descriptor, gate: Gate):
                 fn, t0 = await gate._enter(context, _name, None if _client_stream else request)
                 if _client_stream:
                     request = _checked_iter(request, context)
-                failed = None
+                failed, result = None, None
                 try:
                     result = fn(request, context)
                     if inspect.isasyncgen(result):
@@ -143,7 +143,10 @@ def gated_servicer(service_descriptor, gate: Gate):
                     failed = e
                     raise
                 finally:
+                    if inspect.isasyncgen(result):  # closed from outside (a client cancel while yielding):
+                        await result.aclose()  # run the handler's cleanup now, never at some later GC
                     gate._exit(context, _name, t0, failed)
+                    failed = None  # no frame <-> traceback cycle keeps this frame (and `result`) alive
             methods[m.name] = stream
         else:
             async def unary(self, request, context, _name=m.name, _client_stream=m.client_streaming):
@@ -158,5 +161,6 @@ def gated_servicer(service_descriptor, gate: Gate):
                     raise
                 finally:
                     gate._exit(context, _name, t0, failed)
+                    failed = None
             methods[m.name] = unary
     return type(f"Gated{service_descriptor.name}", (), methods)()

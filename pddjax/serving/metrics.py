@@ -4,8 +4,10 @@ Names every service exports: pddjax_rpc_total{method,code}, pddjax_rpc_seconds{m
 pddjax_rpc_inflight, and for engine roles pddjax_kv_pages_active (pages held by in-flight
 requests; returns to 0 when idle; prefix-cache-only pages not counted), pddjax_kv_pages_used
 (all allocated pages, prefix cache included), pddjax_kv_pages_total, pddjax_engine_sequences,
-pddjax_engine_steps_total, pddjax_engine_queue_depth. The router adds its own (TTFT, ITL, ...)
-through `registry`.
+pddjax_engine_steps_total, pddjax_engine_queue_depth. The router adds its own (TTFT, ITL,
+admission, pipelines, handoffs, failures, WAN bytes: `router_metrics.py`) on `registry`.
+The endpoint listens on an ephemeral port of the service's host; its URL goes in the ready file
+and in `pddjax up`'s state file.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The router: the user-facing streaming `Generate`, choosing pipelines and instances.
 
 A request's life (pipeline pdd; the others drop a tier):
-  1. tokenize and validate (INVALID_ARGUMENT with one sentence, nothing reserved);
+  1. tokenize and validate (INVALID_ARGUMENT with one sentence, nothing reserved); take an
+     admission slot (`router_admission`: past max_inflight + max_queue -> RESOURCE_EXHAUSTED at
+     once); the client's deadline becomes every downstream RPC's timeout;
   2. pick instances (`pools`): the least-loaded healthy P and RLD (ties: the session's last
      one), the MD that holds the session's context (affinity; else the least loaded); ask P's
      cache and MD's DRC how much of the prompt they hold (chained page hashes, no tokens move);
@@ -12,13 +14,16 @@ A request's life (pipeline pdd; the others drop a tier):
      background afterwards so MD's hit rate never drifts behind P's). Logged, counted (`Stats`),
      and explained in the first response's `explain`;
   4. Reserve on MD (pins its DRC prefix -> cached_on_main; a full or gone MD falls back to the
-     next) and on RLD; open their Decode streams;
-  5. P.Prefill with targets RLD (from 0, with the first token) and MD (from cached_on_main):
+     next; every MD full or gone: an `auto` request with an RLD goes pd-local, reason main-full /
+     main-unavailable) and on RLD; the first message (pipeline, explain); open Decode streams;
+  5. P.Prefill with targets RLD (from RLD's own prefix-cache hit, with the first token) and MD
+     (from cached_on_main):
      P pushes both at once; RLD starts streaming tokens (relay) as soon as its KV lands;
   6. when P reports MD's KV delivered, RLD.Handoff: one-shot, or chunked while more than the
      threshold is pending (`handoff = "auto"`); RLD's stream ends with handed_off_at = N and
      MD's starts at N (main) -> no gap, duplicate or reorder;
-  7. finish: every tier is released (idempotent), cancelled on client disconnect.
+  7. finish: every tier is released (idempotent), cancelled on client disconnect or deadline.
+Metrics (TTFT, ITL, pipelines, handoffs, failures, WAN bytes): `router_metrics`.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ import uuid
 import grpc
 
 from pddjax.kv.page_hash import chain_hashes
-from pddjax.serving import pools, rpc
+from pddjax.serving import pools, router_recovery, rpc
 from pddjax.serving.config import RouterSettings
 from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
 from pddjax.serving.policy import (PD_LOCAL, Ewma, FilterWindow, Inputs, LinkEstimator, PolicyConfig, SessionTracker,
                                    decide)
+from pddjax.serving.router_admission import Admission, Deadline, Refused
+from pddjax.serving.router_metrics import RouterMetrics
 
 P = common_pb2
 PIPELINE_NAMES = {P.PIPELINE_AUTO: "auto", P.PIPELINE_PDD: "pdd", P.PIPELINE_PD_CROSS: "pd-cross",
@@ -48,13 +55,13 @@ _RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, stage: str = ""):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.stage = code, message, stage  # stage: where it failed (metrics)
 
 
 def _from_rpc(e: grpc.aio.AioRpcError, who: str) -> _Abort:
-    return _Abort(e.code(), e.details() or f"{who} failed with {e.code().name}")
+    return _Abort(e.code(), e.details() or f"{who} failed with {e.code().name}", who)
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -73,6 +80,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.sessions = SessionTracker()
         self.window = FilterWindow(s.filter_window)
         self.counters: collections.Counter = collections.Counter()
+        self.admission = Admission(s.max_inflight, s.max_queue)  # bounded: RESOURCE_EXHAUSTED past it
+        self.m = RouterMetrics(admission=self.admission)
+
+    def attach_metrics(self, metrics) -> None:
+        """server.py: the router's metrics join the service's registry (one /metrics endpoint)."""
+        self.m = RouterMetrics(metrics.registry, self.admission)
 
     def start(self, loop) -> None:
         for pool in self.pools.values():
@@ -92,10 +105,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             inst.info = await self._stub(inst).Info(cluster_pb2.InfoRequest(), timeout=30)
         return inst.info
 
-    async def _hit(self, inst, prompt) -> int:
+    async def _hit(self, inst, prompt, dl: Deadline) -> int:
         S = (await self._info(inst)).page_size
         m = await self._stub(inst).MatchPrefix(
-            cluster_pb2.MatchPrefixRequest(page_size=S, page_hashes=chain_hashes(prompt, S)), timeout=30)
+            cluster_pb2.MatchPrefixRequest(page_size=S, page_hashes=chain_hashes(prompt, S)), timeout=dl.timeout(30))
         return m.matched_tokens
 
     async def _pick(self, role, sid, fn=None, sticky=False, exclude=()):
@@ -126,7 +139,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.StatsResponse(json=json.dumps(self.stats()))
 
     def stats(self) -> dict:
-        return {"counters": dict(self.counters),
+        return {"counters": dict(self.counters), "admission": self.admission.stats(),
                 "links": {a: {"mbps": 8 * lk.throughput.value / 1e6, "latency_ms": 1e3 * lk.latency.value,
                               "queued_bytes": lk.queued, "samples": lk.throughput.samples}
                           for a, lk in self.links.items()},
@@ -155,14 +168,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat: {e}") from None
 
     # ---- choosing ----------------------------------------------------------------------
-    async def _plan(self, prompt, max_tokens, sid, requested) -> "_Plan":
+    async def _plan(self, prompt, max_tokens, sid, requested, dl: Deadline) -> _Plan:
         """Instances, hits and (auto) the policy's decision; counted and logged."""
         pl = _Plan()
         try:
-            pl.p, pl.hit_p = await self._pick("prefill", sid, lambda i: self._hit(i, prompt))
+            pl.p, pl.hit_p = await self._pick("prefill", sid, lambda i: self._hit(i, prompt, dl))
             if requested != P.PIPELINE_PD_LOCAL:
                 try:
-                    pl.md, pl.hit_md = await self._pick("main", sid, lambda i: self._hit(i, prompt), sticky=True)
+                    pl.md, pl.hit_md = await self._pick("main", sid, lambda i: self._hit(i, prompt, dl), sticky=True)
                 except pools.NoInstance:
                     if requested != P.PIPELINE_AUTO:
                         raise
@@ -207,13 +220,21 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request, context):
+        dl, job = Deadline.of(context), _Job()
         try:
-            async for msg in self._generate(request):
+            async for msg in self._generate(request, dl, job):
                 yield msg
-        except _Abort as e:
+        except (_Abort, Refused) as e:
+            self.m.failed(e.code.name, e.stage or job.stage)
             await context.abort(e.code, e.message)
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+            self.m.failed("DEADLINE_EXCEEDED" if dl.expired(slack_s=0.2) else "CANCELLED", job.stage)
+            raise
+        finally:
+            if job.admitted:
+                self.admission.leave()
 
-    async def _generate(self, req):
+    async def _generate(self, req, dl: Deadline, job: _Job):
         t0 = time.perf_counter()
         prompt = self._prompt(req)
         params = rpc.sampling_from_pb(req.sampling)
@@ -230,16 +251,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"stop token id {bad[0]} is outside the vocabulary")
         stop_ids = tuple(() if req.ignore_eos else self.cfg.eos_token_ids) + tuple(req.stop_token_ids)
         mode = req.handoff or (P.HANDOFF_MODE_ONE_SHOT if self.s.handoff == "one-shot" else P.HANDOFF_MODE_CHUNKED)
-        pl = await self._plan(prompt, max_tokens, sid, req.pipeline)
-        pipeline, explain = pl.pipeline, pl.explain
-        print(f"router: {rid} session={sid or '-'} {explain}", file=sys.stderr, flush=True)
+        job.stage = "admission"
+        await self.admission.enter(dl)  # Refused (RESOURCE_EXHAUSTED) past max_inflight + max_queue
+        job.admitted, job.stage = True, "plan"
+        pl = await self._plan(prompt, max_tokens, sid, req.pipeline, dl)
+        pipeline = pl.pipeline
         spec = cluster_pb2.SequenceSpec(request_id=rid, prompt=prompt, sampling=rpc.sampling_to_pb(params),
                                         max_tokens=max_tokens, stop_token_ids=stop_ids)
         use_rld = pipeline in (P.PIPELINE_PDD, P.PIPELINE_PD_LOCAL)
         use_md = pipeline in (P.PIPELINE_PDD, P.PIPELINE_PD_CROSS)
-        yield router_pb2.GenerateResponse(request_id=rid, pipeline=pipeline, prompt_token_ids=prompt, explain=explain)
 
         st = _State()
+        st.deadline, timer = dl, self.m.timer(t0)
         relay_q: asyncio.Queue = asyncio.Queue()
         main_q: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
@@ -252,27 +275,47 @@ class RouterService(router_pb2_grpc.RouterServicer):
         def unhold():  # idempotent: this request no longer loads its instances
             while held:
                 held.pop().inflight -= 1
+        expiry = None
         try:
+            job.stage = "reserve"
             try:
                 if use_md:
-                    md, st.cached_md = await self._reserve_main(spec, sid, pl.md, md_tried)
-                    md.inflight += 1
-                    held.append(md)
-                if use_rld:
-                    await self._stub(pl.rld).Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True))
+                    try:
+                        md, st.cached_md = await self._reserve_main(spec, sid, pl.md, md_tried, dl)
+                    except grpc.aio.AioRpcError as e:
+                        if not self._main_fallback(pl, req.pipeline, e):
+                            raise
+                        pipeline, use_md, use_rld = pl.pipeline, False, True  # auto -> pd-local via RLD
+                        if pl.rld not in held:
+                            held.append(pl.rld)
+                            pl.rld.inflight += 1
+                    else:
+                        md.inflight += 1
+                        held.append(md)
+                if use_rld:  # RLD's own prefix cache (sessions stick to their RLD): P sends only the rest
+                    st.cached_rld = (await self._stub(pl.rld).Reserve(cluster_pb2.ReserveRequest(
+                        spec=spec, use_cache=True), timeout=dl.timeout())).cached_tokens
             except pools.NoInstance as e:
                 raise _Abort(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             except grpc.aio.AioRpcError as e:
                 raise _from_rpc(e, "reserve") from None
+            self.m.chosen(PIPELINE_NAMES[pipeline], pl.reason)
+            print(f"router: {rid} session={sid or '-'} {pl.explain}", file=sys.stderr, flush=True)
+            yield router_pb2.GenerateResponse(request_id=rid, pipeline=pipeline, prompt_token_ids=prompt,
+                                              explain=pl.explain)
+            job.stage = "stream"
+            if dl.remaining() is not None:  # the stream stops at the deadline even if no tier reports it
+                expiry = asyncio.get_running_loop().call_later(dl.remaining(), _expire, relay_q, main_q)
             if use_rld:
-                call = self._stub(pl.rld).Decode(cluster_pb2.DecodeRequest(request_id=rid))
-                tasks.append(asyncio.create_task(_pump(call, relay_q, "relay")))
+                call = self._stub(pl.rld).Decode(cluster_pb2.DecodeRequest(request_id=rid), timeout=dl.timeout())
+                tasks.append(asyncio.create_task(_pump(call, relay_q, "relay", self._relay_lost(rid, md, st)
+                                                       if pipeline == P.PIPELINE_PDD else None)))
             if use_md:
-                call = self._stub(md).Decode(cluster_pb2.DecodeRequest(request_id=rid))
+                call = self._stub(md).Decode(cluster_pb2.DecodeRequest(request_id=rid), timeout=dl.timeout())
                 tasks.append(asyncio.create_task(_pump(call, main_q, "main")))
             targets = []
             if use_rld:
-                targets.append(cluster_pb2.KVTarget(address=pl.rld.address, start=0, role=P.ROLE_RELAY,
+                targets.append(cluster_pb2.KVTarget(address=pl.rld.address, start=st.cached_rld, role=P.ROLE_RELAY,
                                                     include_first_token=True))
             if use_md:
                 targets.append(cluster_pb2.KVTarget(address=md.wan_address, start=st.cached_md, role=P.ROLE_MAIN,
@@ -280,7 +323,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 st.link, st.planned = self._link(md), (len(prompt) - st.cached_md) * await self._kv_bytes(pl.p)
                 st.link.start(st.planned)
             preq = cluster_pb2.PrefillRequest(spec=spec, targets=targets, chunk_bytes=self.s.chunk_bytes)
-            prefill = asyncio.create_task(self._prefill(self._stub(pl.p), rid, preq, pipeline, mode, st, relay_q,
+            prefill = asyncio.create_task(self._prefill(pl.p, rid, preq, pipeline, mode, st, relay_q,
                                                         main_q, tasks, pl.rld, md))
             tasks.append(prefill)
 
@@ -311,6 +354,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     st.relay_after += len(new) if now > st.relay_t0 else 0
                     st.relay_t1 = now
                 tokens += new
+                timer.tokens(PIPELINE_NAMES[pipeline], len(new), now)
                 sources += [source] * len(new)
                 delta, text, hit = self._text(tokens, text, req.stop_strings)
                 if hit:
@@ -340,6 +384,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             # RLD finished before MD held the KV (pdd): let the push finish in the background so
             # MD's DRC still gets the context (the drift-loop guard), then release
             complete = finished and md is not None and prefill is not None and not prefill.done()
+            if expiry is not None:
+                expiry.cancel()
             for t in tasks:
                 if not (complete and t is prefill):
                     t.cancel()
@@ -361,7 +407,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         info = await self._info(p_inst)
         return 2 * info.num_layers * info.num_kv_heads * info.head_dim * _ITEMSIZE.get(info.dtype, 4)
 
-    async def _reserve_main(self, spec, sid, first, attempted: list):
+    async def _reserve_main(self, spec, sid, first, attempted: list, dl: Deadline):
         """Reserve on the chosen MD; a full (RESOURCE_EXHAUSTED) or gone MD falls back to the
         least-loaded other one. -> (instance, cached tokens). `attempted` collects every MD
         asked, so the caller releases them all if it is cancelled midway."""
@@ -369,7 +415,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         while True:
             try:
                 attempted.append(inst)
-                r = await self._stub(inst).Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True))
+                r = await self._stub(inst).Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True),
+                                                   timeout=dl.timeout())
                 return inst, r.cached_tokens
             except grpc.aio.AioRpcError as e:
                 if e.code() not in _RETRY:
@@ -383,9 +430,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 except pools.NoInstance:
                     raise e from None  # every MD is full or gone: the last one's answer
 
+    def _main_fallback(self, pl, requested, e: grpc.aio.AioRpcError) -> bool:
+        """Every MD is full or gone: an `auto` request that has an RLD is served pd-local instead
+        (counted and explained); an explicit pd-cross or pdd keeps the error (-> False)."""
+        if requested != P.PIPELINE_AUTO or pl.rld is None or e.code() not in _RETRY:
+            return False
+        why = "main-full" if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else "main-unavailable"
+        self.counters[f"fallback.pd-local.{why}"] += 1
+        pl.explain = (f"pd-local ({why}): MD answered {e.code().name} ({e.details()}), so P -> RLD only; "
+                      f"the policy had chosen {pl.explain}")
+        pl.pipeline, pl.reason, pl.sync_main = P.PIPELINE_PD_LOCAL, why, False
+        return True
+
     def _learn(self, pl, st, sid, tokens, md) -> None:
         """After a finished request: RLD's speed, the session's output length and affinity."""
         self.counters[f"requests.{PIPELINE_NAMES[pl.pipeline]}"] += 1
+        self.m.done(PIPELINE_NAMES[pl.pipeline])
         if st.relay_after >= 4 and st.relay_t1 > st.relay_t0:
             self._speed(pl.rld).add(st.relay_after / (st.relay_t1 - st.relay_t0))
         self.sessions.record_output(sid, len(tokens))
@@ -412,6 +472,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                                                      chunk_bytes=self.s.chunk_bytes)):
                     if ev.HasField("transfer_done"):
                         d = ev.transfer_done
+                        self.m.wan_bytes(d.bytes)
                         ok = not d.code
                         link.done(planned, d.bytes, d.ms / 1e3, ok)
                         planned = 0
@@ -438,38 +499,65 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return full[len(text):], full, False
 
     async def _prefill(self, p, rid, preq, pipeline, mode, st, relay_q, main_q, tasks, rld, md):
+        """P's events for one request (p: the P instance). A P that fails mid-request is replaced
+        and only the KV that has not arrived is pushed again (router_recovery)."""
+        reported: set = set()  # roles whose transfer P reported (delivered or failed)
         try:
-            async for ev in p.Prefill(preq):
-                if ev.HasField("prefilled"):
-                    st.cached_p, st.prefill_ms = ev.prefilled.num_cached, ev.prefilled.prefill_ms
-                    continue
-                d = ev.transfer_done
-                err = _Abort(_CODES.get(d.code, grpc.StatusCode.UNKNOWN), d.error) if d.code else None
-                if d.role == P.ROLE_RELAY:
-                    st.bytes_rld = d.bytes
-                    if err:
-                        relay_q.put_nowait(err)
-                    continue
-                st.bytes_md, st.md_ms = d.bytes, d.ms
-                if st.link is not None:
-                    st.link.done(st.planned, d.bytes, d.ms / 1e3, ok=not err)
-                    st.link_done = True
-                if err and pipeline == P.PIPELINE_PD_CROSS:
-                    main_q.put_nowait(err)
-                elif err and d.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
-                    relay_q.put_nowait(err)  # MD refuses this KV: never decode it anywhere
-                elif not err and pipeline == P.PIPELINE_PDD and not st.finished:
-                    tasks.append(asyncio.create_task(self._handoff(rld, md, rid, mode, st)))
-        except grpc.aio.AioRpcError as e:
-            relay_q.put_nowait(_from_rpc(e, "prefill"))
-            main_q.put_nowait(_from_rpc(e, "prefill"))
+            while True:
+                try:
+                    async for ev in self._stub(p).Prefill(preq, timeout=st.deadline.timeout()):
+                        if ev.HasField("prefilled"):
+                            st.cached_p, st.prefill_ms = ev.prefilled.num_cached, ev.prefilled.prefill_ms
+                            st.first_token = ev.prefilled.first_token
+                            continue
+                        d = ev.transfer_done
+                        err = _Abort(_CODES.get(d.code, grpc.StatusCode.UNKNOWN), d.error, "transfer") if d.code else None
+                        reported.add(d.role)
+                        if d.role == P.ROLE_RELAY:
+                            st.bytes_rld = d.bytes
+                            if err:
+                                relay_q.put_nowait(err)
+                            continue
+                        st.bytes_md, st.md_ms = d.bytes, d.ms
+                        self.m.wan_bytes(d.bytes)
+                        if st.link is not None:
+                            st.link.done(st.planned, d.bytes, d.ms / 1e3, ok=not err)
+                            st.link_done = True
+                        router_recovery.main_transfer(self, md, st, err and err.code, d.error)
+                        if err and pipeline == P.PIPELINE_PD_CROSS:
+                            main_q.put_nowait(err)
+                        elif err and d.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
+                            relay_q.put_nowait(err)  # MD refuses this KV: never decode it anywhere
+                        elif not err and pipeline == P.PIPELINE_PDD and not st.finished and not st.relay_lost:
+                            tasks.append(asyncio.create_task(self._handoff(rld, md, rid, mode, st)))
+                    return
+                except grpc.aio.AioRpcError as e:
+                    left = [t for t in preq.targets if t.role not in reported]
+                    nxt = router_recovery.next_prefill(self, p, e, st) if left else None
+                    if nxt is None:
+                        for t in left:
+                            (relay_q if t.role == P.ROLE_RELAY else main_q).put_nowait(_from_rpc(e, "prefill"))
+                        return
+                    p, preq = nxt, cluster_pb2.PrefillRequest(spec=preq.spec, targets=left, chunk_bytes=preq.chunk_bytes)
+        finally:
+            if not st.md_kv.is_set():
+                router_recovery.main_transfer(self, None, st, grpc.StatusCode.UNAVAILABLE)
+
+    def _relay_lost(self, rid, md, st):
+        """on_error of RLD's stream (pdd): MD takes the request over, or the error stands."""
+        async def on_error(err, seen):
+            why = await router_recovery.take_over(self, rid, md, st, seen)
+            return why if isinstance(why, cluster_pb2.TokenBatch) else _Abort(err.code, f"{err.message}; {why}", "relay")
+        return on_error
 
     async def _handoff(self, rld, md, rid, mode, st):
         try:
             r = await self._stub(rld).Handoff(cluster_pb2.HandoffRequest(
-                request_id=rid, main_address=md.wan_address, mode=mode, threshold=self.s.handoff_threshold))
+                request_id=rid, main_address=md.wan_address, mode=mode, threshold=self.s.handoff_threshold),
+                timeout=st.deadline.timeout())
             if r.handed_off:
                 st.handoff_tokens, st.handoff_chunks = r.tokens, r.chunks
+                self.m.handoff(r.chunks)
                 self.counters["handoff." + ("chunked" if r.chunks > 1 else "one-shot")] += 1
         except grpc.aio.AioRpcError:
             pass  # RLD keeps decoding and finishes the request itself
@@ -478,10 +566,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if pending is not None:
             try:
                 await asyncio.wait_for(pending, timeout=self.s.background_timeout_s)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
+            except (TimeoutError, asyncio.CancelledError):
                 pass
         if st is not None and st.link is not None and not st.link_done:
             st.link.done(st.planned, 0, 0.0, ok=False)
+        if st is not None:  # a P that replaced a failed one
+            insts = list(insts) + [i for i in st.p_extra if i not in insts]
         req = cluster_pb2.ReleaseRequest(request_id=rid, cache=True, cancel=True)
         await asyncio.gather(*(self._stub(i).Release(req) for i in insts), return_exceptions=True)
 
@@ -496,9 +586,17 @@ class _Plan:
         self.pipeline, self.reason, self.explain, self.sync_main = P.PIPELINE_AUTO, "", "", False
 
 
+class _Job:
+    """What Generate needs to know about its request, whatever stage it failed in."""
+
+    def __init__(self):
+        self.stage = "validate"  # validate | admission | plan | reserve | stream (failure metrics)
+        self.admitted = False  # holds an admission slot (released by Generate)
+
+
 class _State:
     def __init__(self):
-        self.cached_p = self.cached_md = 0
+        self.cached_p = self.cached_md = self.cached_rld = 0
         self.bytes_rld = self.bytes_md = 0
         self.prefill_ms = self.md_ms = 0.0
         self.ttft = None
@@ -508,16 +606,32 @@ class _State:
         self.relay_t0 = self.relay_t1 = 0.0  # first and last relay batch (perf_counter)
         self.relay_after = 0  # relay tokens after the first batch
         self.finished = False  # the user's stream has its last message
+        self.deadline = Deadline(None)  # the client's: every downstream RPC's timeout
+        self.first_token = None  # P's (router_recovery: MD taking over before RLD sent any token)
+        self.md_kv, self.md_kv_ok = asyncio.Event(), False  # P reported MD's KV transfer (delivered?)
+        self.relay_lost = False  # RLD's stream broke: MD took over (or tried); no RLD handoff
+        self.p_tried, self.p_extra = [], []  # P instances that failed / replaced them (router_recovery)
+
+
+def _expire(*queues) -> None:
+    """The client's deadline passed: the stream fails with DEADLINE_EXCEEDED (then releases all)."""
+    for q in queues:
+        q.put_nowait(_Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before it finished"))
 
 
 def _terminal(item) -> bool:
     return isinstance(item, _Abort) or bool(item.finish_reason) or item.handed_off
 
 
-async def _pump(call, q: asyncio.Queue, who: str) -> None:
+async def _pump(call, q: asyncio.Queue, who: str, on_error=None) -> None:
+    """A tier's token stream into `q`; a failure becomes an _Abort, or what `on_error(err, tokens
+    forwarded so far)` makes of it (pdd's RLD: MD taking over)."""
+    seen: list[int] = []
     try:
         async for batch in call:
             q.put_nowait(batch)
+            seen += batch.token_ids
     except grpc.aio.AioRpcError as e:
         if e.code() != grpc.StatusCode.CANCELLED:
-            q.put_nowait(_from_rpc(e, who))
+            err = _from_rpc(e, who)
+            q.put_nowait(await on_error(err, seen) if on_error else err)

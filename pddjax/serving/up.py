@@ -5,7 +5,8 @@ of each (the router balances them). P and RLD reach each MD only through its own
 (bandwidth and latency), running in this supervisor process. Steps: write each service's
 config, start the P, RLD, MD instances (`pddjax serve ROLE`), wait for their ready files,
 start the links, start the router (given every address), write the state file
-  {"services": [{"role", "pid", "address", "metrics"}], "wan": {...}, "wans": [...], "router": ADDRESS}
+  {"services": [{"role", "pid", "address", "metrics" (its /metrics URL)}], "wan": {...}, "wans": [...],
+   "router": ADDRESS}
 (`wan` is the first MD's link; byte counters refreshed every second), print the router
 address, and on Ctrl-C or SIGTERM stop every child (SIGTERM, then SIGKILL after a grace
 period). An instance that exits is reported; the stack stops when the router or every
@@ -32,6 +33,7 @@ class Child:
     def __init__(self, role: str, proc: subprocess.Popen, ready_file: str):
         self.role, self.proc, self.ready_file = role, proc, ready_file
         self.address: str | None = None
+        self.metrics: str | None = None  # its Prometheus endpoint (from the ready file)
 
 
 def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, name: str | None = None) -> Child:
@@ -49,7 +51,8 @@ async def wait_ready(children: list[Child], timeout: float = 300.0) -> None:
         for c in children:
             if c.address is None and os.path.exists(c.ready_file):
                 with open(c.ready_file) as f:
-                    c.address = json.load(f)["address"]
+                    ready = json.load(f)
+                c.address, c.metrics = ready["address"], ready.get("metrics")
             if c.proc.poll() is not None and c.address is None:
                 raise UserError(f"the {c.role} service exited with code {c.proc.returncode} while starting")
         if time.monotonic() > deadline:
@@ -115,7 +118,7 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
 
         def state():
             wans = [{"address": w, "target": a, **lk.stats()} for w, a, lk in zip(wan_addrs, addr["main"], links)]
-            return {"services": [{"role": c.role, "pid": c.proc.pid, "address": c.address, "metrics": None}
+            return {"services": [{"role": c.role, "pid": c.proc.pid, "address": c.address, "metrics": c.metrics}
                                  for c in children],
                     "router": router.address, "wan": wans[0], "wans": wans, "log": log.name}
 

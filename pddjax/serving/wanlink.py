@@ -29,7 +29,7 @@ class WanLink:
         self.emulator = WanEmulator(f"{target_host}:{target_port}", profile, dataclasses.replace(profile))
 
     @classmethod
-    def from_settings(cls, target: str, wan: dict) -> "WanLink":
+    def from_settings(cls, target: str, wan: dict) -> WanLink:
         """From a stack config's `[wan]` table: mbps, latency_ms, jitter_ms, jitter_dist, trace
         ([[t_s, mbps], ...]), stalls ([[start_s, dur_s], ...]), burst_bytes, seed."""
         host, port = target.rsplit(":", 1)

@@ -4,9 +4,16 @@ Every byte A -> B and B -> A is scheduled on that direction's shared `Wire` (ban
 token bucket, stalls, latency + jitter, in order) and counted. Faults for reliability tests can
 be injected at any time, per direction:
   reset          abort every open connection now (RST) and refuse new ones while set
-  blackhole      accept and swallow bytes, deliver nothing, keep connections open
+  blackhole      bytes that enter the link while set are held (nothing after them is delivered
+                 either), connections stay open; once cleared, what was held is delivered, as TCP
+                 would retransmit it
   flip           flip one bit in the next chunk that passes (then clear itself)
+  flip_at=N      flip one bit of the N-th byte (from 0) that a connection sends in that direction
+                 from now on (the first to get there; then clear itself): aims past the headers
   close_after=N  forward only N more bytes per connection in that direction, then close it (FIN)
+A connection that breaks on one side (the service died: RST) is aborted on the other too, as a
+peer across a real WAN would see it. Call `inject` on the emulator's event loop (tests:
+`loop.call_soon_threadsafe`): a reset touches sockets.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ class Fault:
     reset: bool = False
     blackhole: bool = False
     flip: bool = False
+    flip_at: int | None = None
     close_after: int | None = None
 
 
@@ -68,7 +76,7 @@ class WanEmulator:
         self.profile = profile
 
     def inject(self, direction: str = A_TO_B, **fault) -> None:
-        """inject(A_TO_B, blackhole=True) / (reset=True) / (flip=True) / (close_after=1000)."""
+        """inject(A_TO_B, blackhole=True) / (reset=True) / (flip=True) / (flip_at=2000) / (close_after=1000)."""
         f = dataclasses.replace(self.faults[direction], **fault)
         self.faults[direction] = f
         if f.reset:
@@ -97,8 +105,8 @@ class WanEmulator:
         self.connections += 1
         pair = (cw, tw)
         self._conns.add(pair)
-        tasks = [asyncio.create_task(self._pipe(cr, tw, A_TO_B)),
-                 asyncio.create_task(self._pipe(tr, cw, B_TO_A))]
+        tasks = [asyncio.create_task(self._pipe(cr, tw, A_TO_B, pair)),
+                 asyncio.create_task(self._pipe(tr, cw, B_TO_A, pair))]
         for t in tasks:
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
@@ -111,20 +119,27 @@ class WanEmulator:
             for w in pair:
                 w.close()
 
-    async def _pipe(self, reader, writer, direction: str) -> None:
+    async def _pipe(self, reader, writer, direction: str, pair) -> None:
         q: asyncio.Queue = asyncio.Queue()
-        passed = 0
+        passed, fault_seen, base = 0, None, 0  # bytes forwarded; close_after counts from its injection
 
         async def deliver():
-            while True:
-                at, data = await q.get()
-                if data is None:
-                    break
-                delay = at - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                writer.write(data)
-                await writer.drain()
+            try:
+                while True:
+                    at, data, held = await q.get()
+                    if data is None:
+                        break
+                    while held and self.faults[direction].blackhole:  # held, not lost: delivered once it clears
+                        await asyncio.sleep(0.02)
+                        at = max(at, time.monotonic())
+                    delay = at - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    writer.write(data)
+                    await writer.drain()
+            except ConnectionError:  # the far side is gone: so is this connection
+                for w in pair:
+                    _abort(w)
 
         sender = asyncio.create_task(deliver())
         try:
@@ -133,22 +148,29 @@ class WanEmulator:
                 if not data:
                     break
                 f = self.faults[direction]
-                if f.blackhole:
-                    continue
+                if f is not fault_seen:
+                    fault_seen, base = f, passed
                 if f.flip:
                     data = data[:-1] + bytes([data[-1] ^ 0x01])
-                    self.faults[direction] = dataclasses.replace(f, flip=False)
-                if f.close_after is not None and passed + len(data) >= f.close_after:
-                    data = data[: max(0, f.close_after - passed)]
-                    q.put_nowait((self.wires[direction].schedule(time.monotonic(), len(data)), data))
+                    self.faults[direction] = fault_seen = dataclasses.replace(f, flip=False)
+                at = None if f.flip_at is None else f.flip_at - (passed - base)
+                if at is not None and 0 <= at < len(data) and self.faults[direction].flip_at is not None:
+                    data = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
+                    self.faults[direction] = fault_seen = dataclasses.replace(self.faults[direction], flip_at=None)
+                if f.close_after is not None and passed - base + len(data) >= f.close_after:
+                    data = data[: max(0, f.close_after - (passed - base))]
+                    q.put_nowait((self.wires[direction].schedule(time.monotonic(), len(data)), data, f.blackhole))
                     break  # stop forwarding: FIN after the first N bytes (the peer sees a clean close)
                 passed += len(data)
-                q.put_nowait((self.wires[direction].schedule(time.monotonic(), len(data)), data))
-            q.put_nowait((0.0, None))
+                q.put_nowait((self.wires[direction].schedule(time.monotonic(), len(data)), data, f.blackhole))
+            q.put_nowait((0.0, None, False))
             await sender
             if writer.can_write_eof():
                 writer.write_eof()  # half-close: the other direction keeps flowing
-        except (ConnectionError, asyncio.CancelledError):
+        except ConnectionError:  # one side was reset (or died): the other side sees a reset too
+            for w in pair:
+                _abort(w)
+        except asyncio.CancelledError:
             pass
         finally:
             sender.cancel()
@@ -161,5 +183,5 @@ def _abort(writer: asyncio.StreamWriter) -> None:
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()
-    except Exception:  # noqa: BLE001  (already closed)
+    except Exception:  # noqa: BLE001, S110  (already closed)
         pass
