@@ -95,6 +95,6 @@ def test_drc_target_counts_kv_the_requests_put_on_the_line():
     m_on, m_off = bs.mode_figures(on, 1.0, 500, 0), bs.mode_figures(off, 1.0, 600, 0)
     assert m_on["kv_tokens_to_main"] == 20 and m_off["kv_tokens_to_main"] == 200
     t = bs.targets({"pdd": m_on, "pdd-drc-off": m_off}, {"pdd": on, "pdd-drc-off": off})
-    assert t["wan_kv_drc_off_over_on"] == {"value": 10.0, "target": ">= 5", "met": True}
-    assert t["wan_kv_same_requests_drc_off_over_on"]["value"] == 10.0  # r1 only: 100 / 10
+    assert t["wan_kv_drc_off_over_on"] == {"value": 10.0, "target": ">= 5", "met": True}  # r1 only: 100 / 10
+    assert t["wan_kv_all_requests_drc_off_over_on"]["value"] == 10.0  # 200 / 20
     assert t["wan_bytes_delivered_drc_off_over_on"]["value"] == 1.2

@@ -110,7 +110,8 @@ def test_drift_lowers_md_hit_only_when_p_rld_is_a_normal_path():
     out = {flag: simulate_workload(base.replace(rld_normal_path=flag), wl, Sla(), timeline_bins=6)
            for flag in (False, True)}
     normal, drift = out[False], out[True]
-    assert drift["pipelines"].get("P-RLD", 0) > 5 * normal["pipelines"].get("P-RLD", 0)
+    # the normal path sends only singular turns P-RLD, and syncs their context to MD afterwards
+    assert drift["pipelines"].get("P-RLD", 0) > 3 * normal["pipelines"].get("P-RLD", 0)
     assert drift["mean_md_hit"] < normal["mean_md_hit"] - 0.03
     assert drift["mean_md_hit"] < drift["mean_p_hit"] - 0.03  # MD fell below P
     assert normal["mean_md_hit"] > normal["mean_p_hit"] - 0.03  # MD keeps up with P

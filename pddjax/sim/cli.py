@@ -15,7 +15,9 @@ SIM_HELP = """Scenarios:
             BCR, TTFT vs cross-DC PD, RLD token share, bathtub, drift. Needs --json.
   validate  predicted vs measured TTFT P50/P99 of `pddjax bench serve --quick`; needs
             --measured (the benchmark's JSON) and --engine-profile (`pddjax bench engine
-            --json`), plus the WAN settings the benchmark emulated."""
+            --json`); best with --trace (`bench serve --save-trace`) and --calibration
+            (`python -m pddjax.sim.calibrate --json F`, this host's step and overhead costs;
+            default: the figures measured on the 2-core development VM, docs/sim.md)."""
 
 PLAN_HELP = """Value formats:
   --traffic      rps=R[,context=N][,output=N][,hit=H|skewed][,turns=T][,seed=S]
@@ -39,10 +41,16 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="flagship-50k", help="model profile (paper scenario)")
     p.add_argument("--measured", metavar="FILE", help="validate: the benchmark's JSON")
     p.add_argument("--engine-profile", metavar="FILE", help="validate: `pddjax bench engine --json` output")
-    p.add_argument("--trace", metavar="FILE", help="validate: the trace the benchmark replayed (default: quick preset)")
-    p.add_argument("--wan-gbps", type=float, default=1.0, help="validate: emulated WAN bandwidth")
-    p.add_argument("--wan-ms", type=float, default=20.0, help="validate: emulated one-way latency")
-    p.add_argument("--jitter-ms", type=float, default=0.0, help="validate: emulated mean jitter")
+    p.add_argument("--trace", metavar="FILE",
+                   help="validate: the trace the benchmark replayed (default: regenerated from its JSON)")
+    p.add_argument("--calibration", metavar="FILE", help="validate: host calibration (python -m pddjax.sim.calibrate)")
+    p.add_argument("--host-cores", type=float, help="validate: cores the services share (default: calibration's)")
+    p.add_argument("--background-cores", type=float,
+                   help="validate: cores other processes kept busy (default: the benchmark's record, else 0)")
+    p.add_argument("--wan-gbps", type=float, help="validate: emulated WAN bandwidth (default: the benchmark's)")
+    p.add_argument("--wan-ms", type=float, help="validate: emulated one-way latency (default: the benchmark's)")
+    p.add_argument("--jitter-ms", type=float, help="validate: emulated jitter scale (default: the benchmark's)")
+    p.add_argument("--requests", action="store_true", help="validate: also print the request-by-request table")
     p.set_defaults(func=sim_handler)
 
     q = subparsers.add_parser("plan", help="instance counts and line that maximize BCR under an SLA",
@@ -91,9 +99,21 @@ def sim_handler(args) -> int:
 
 
 def _validate(args) -> int:
-    from pddjax.sim.measured import MeasuredInstance
-    from pddjax.sim.validate import WanSettings, compare, format_table, load_measured, predict
-    from pddjax.workload import PRESETS, generate, read_trace
+    from pddjax.sim import calibrate
+    from pddjax.sim.validate import (
+        WanSettings,
+        background_of,
+        compare,
+        format_requests,
+        format_table,
+        load_measured,
+        measured_modes,
+        per_request,
+        predict,
+        request_agreement,
+        trace_of,
+        wan_of,
+    )
 
     if not args.measured or not Path(args.measured).is_file():
         raise UserError("no measured benchmark file: run `pddjax bench serve --quick --json FILE` "
@@ -103,15 +123,45 @@ def _validate(args) -> int:
                         "with --engine-profile FILE.")
     try:
         measured = load_measured(args.measured)
-        perf = MeasuredInstance.load(args.engine_profile)
-        trace = read_trace(args.trace) if args.trace else generate(PRESETS["quick"])
+        cal = calibrate.load(args.calibration) if args.calibration else dict(calibrate.DEFAULT)
+        if args.host_cores is not None:
+            cal["cores"] = args.host_cores
+        if args.background_cores is not None:
+            cal["background_cores"] = args.background_cores
+        with open(args.engine_profile, encoding="utf-8") as f:
+            perf = calibrate.profile(json.load(f), cal)
+        host = calibrate.host_config(cal)
+        trace = trace_of(measured, args.trace)
     except (ValueError, OSError) as e:
         raise UserError(_sentence(str(e))) from None
-    predicted = predict(perf, WanSettings(args.wan_gbps, args.wan_ms, args.jitter_ms), trace)
+    wan = wan_of(measured)
+    if args.wan_gbps is not None or wan is None:
+        if args.wan_gbps is None:
+            raise UserError("the benchmark JSON records no WAN settings: pass --wan-gbps, --wan-ms, --jitter-ms.")
+        wan = WanSettings(1e3 * args.wan_gbps, 20.0, 0.0)
+    wan = WanSettings(wan.mbps, wan.latency_ms if args.wan_ms is None else args.wan_ms,
+                      wan.jitter_ms if args.jitter_ms is None else args.jitter_ms)
+    modes = measured_modes(measured)
+    background = None if args.background_cores is not None else {m: background_of(measured, m) for m in modes}
+    predicted = predict(perf, wan, host, trace, modes, background=background)
     rows = compare(predicted, measured)
     print(format_table(rows))
+    details = {m: per_request(predicted, measured, m) for m in modes}
+    agree = {m: request_agreement(details[m]) for m in modes}
+    for m in modes:
+        a, pm, mm = agree[m], predicted["modes"][m], measured["modes"][m]
+        if a["n"]:
+            hist = mm.get("history_s")
+            print(f"{m}: {a['n']} requests, {100 * a['within_25']:.0f}% within 25%, {100 * a['within_50']:.0f}% "
+                  f"within 50% of their measured TTFT; history phase {pm['history_s']:.1f} s"
+                  + (f" (measured {hist} s)" if isinstance(hist, (int, float)) else "")
+                  + f"; step shapes first used while measuring {pm['new_step_shapes']}")
+    if args.requests:
+        for m in modes:
+            print(f"\n{m}:\n" + format_requests(details[m]))
     if args.json:
-        _write_json(args.json, {"predicted": predicted, "rows": rows})
+        _write_json(args.json, {"predicted": predicted, "rows": rows, "requests": details, "agreement": agree,
+                                "calibration": cal, "wan": wan.__dict__})
     return 0
 
 

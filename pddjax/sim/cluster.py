@@ -19,8 +19,10 @@ from __future__ import annotations
 from pddjax.sim.cache import PrefixCache
 from pddjax.sim.config import ClusterConfig
 from pddjax.sim.decode import DecodeInstance, Seq
+from pddjax.sim.engine_prefill import EnginePrefill
 from pddjax.sim.events import EventLoop, SimError
 from pddjax.sim.handoff import Handoff
+from pddjax.sim.host import Host, SerialWorker
 from pddjax.sim.lineage import Lineage
 from pddjax.sim.prefill import PrefillInstance
 from pddjax.sim.request import SimRequest
@@ -42,29 +44,39 @@ def max_batch_for(perf, ctx: float, tpot_s: float, cap: int = 4096) -> int:
 
 
 class Cluster:
-    """Build with a config and a trace, then `run()`; finished requests are in `done`."""
+    """Build with a config and a trace, then `run()`; finished requests are in `done`.
 
-    def __init__(self, cfg: ClusterConfig, trace: list[TraceRequest], horizon: float | None = None):
+    History (turns with arrival_s < 0) is either loaded into the caches (`_warm`, default) or,
+    with `replay_history` (what `bench serve` does), served first: every session's history
+    turns back to back, sessions concurrently, on an unshaped line (cfg.host.unshaped_gbps,
+    no delay); when all are done the line is shaped and the measured turns start, t0 = then."""
+
+    def __init__(self, cfg: ClusterConfig, trace: list[TraceRequest], horizon: float | None = None,
+                 replay_history: bool = False):
         if not trace:
             raise ValueError("empty trace")
         self.cfg, self.loop, self.lineage = cfg, EventLoop(), Lineage()
         self.kvb = cfg.p.perf.kv_bytes_per_token
-        ctx = sum(r.prompt_tokens + r.output_tokens / 2 for r in trace) / len(trace)
-        self.P = [PrefillInstance(self.loop, f"p{i}", cfg.p.perf, self.lineage, self._prefilled)
-                  for i in range(cfg.p.count)]
+        hc = cfg.host
+        self.host = Host(self.loop, hc.cores, hc.background_cores) if hc else None
+        ctx = self.mean_context = sum(r.prompt_tokens + r.output_tokens / 2 for r in trace) / len(trace)
+        if hc:
+            self.P = [EnginePrefill(self.loop, f"p{i}", cfg.p.perf, self.lineage, self.host, hc,
+                                    self._chunk, self._prefilled) for i in range(cfg.p.count)]
+        else:
+            self.P = [PrefillInstance(self.loop, f"p{i}", cfg.p.perf, self.lineage, self._prefilled)
+                      for i in range(cfg.p.count)]
+        self._serializers = {p.name: SerialWorker(self.host, 1.0, f"{p.name}-loop") for p in self.P}
         self.fast = [fast_link(self.loop, cfg.fast_gbps, cfg.fast_latency_s) for _ in self.P]
-        mb = max_batch_for(cfg.d.perf, ctx, cfg.tpot_target_s)
-        self.D = [DecodeInstance(self.loop, f"d{i}", cfg.d.perf, PrefixCache(cfg.d.perf.kv_capacity_tokens),
-                                 mb, cfg.batch_extend) for i in range(cfg.d.count)]
+        self.D = [self._decode(f"d{i}", cfg.d.perf, ctx, cfg.batch_extend) for i in range(cfg.d.count)]
         self.R: list[DecodeInstance] = []
         if cfg.mode == "pdd":
-            rb = max_batch_for(cfg.rld.perf, ctx, cfg.tpot_target_s)
-            self.R = [DecodeInstance(self.loop, f"rld{i}", cfg.rld.perf, PrefixCache(cfg.rld.perf.kv_capacity_tokens),
-                                     rb, True) for i in range(cfg.rld.count)]
+            self.R = [self._decode(f"rld{i}", cfg.rld.perf, ctx, True) for i in range(cfg.rld.count)]
         remote = cfg.mode != "pd-local"
         self.wan = Line(self.loop, cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s, cfg.wan_sharing, cfg.seed)
         self.back = Line(self.loop, cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s, "fair", cfg.seed + 1)
-        self.user_lag = cfg.wan_latency_s if remote else 0.0  # tokens from B reach users in A later
+        lag = cfg.wan_latency_s if cfg.user_lag_s is None else cfg.user_lag_s
+        self.user_lag = lag if remote else 0.0  # tokens from B reach users in A later
         self.router = Router(self)
         self.handoff = Handoff(self)
         self.done: list[SimRequest] = []
@@ -78,8 +90,33 @@ class Cluster:
             turns.sort(key=lambda r: r.turn)
             if [r.turn for r in turns] != list(range(len(turns))):
                 raise ValueError(f"session {turns[0].session_id}: turns are not 0..n-1")
-        self._warm(trace)
+        self.replay = replay_history
+        if replay_history and hc is None:
+            raise ValueError("replaying history needs a host config (its unshaped line)")
+        self.t0 = 0.0  # measured turns are sent from here on (replay: after the history phase)
+        if replay_history:
+            self.history = any(r.arrival_s < 0 for r in trace)
+            self._first_live = {sid: len([t for t in turns if t.arrival_s < 0]) for sid, turns in self.sessions.items()}
+        else:
+            self._warm(trace)
         self.n_sent = 0
+
+    def _decode(self, name: str, perf, ctx: float, batch_extend: bool) -> DecodeInstance:
+        hc = self.cfg.host
+        if hc:
+            return DecodeInstance(self.loop, name, perf, PrefixCache(hc.kv_tokens), hc.max_rows, batch_extend,
+                                  self.host, hc.decode_cores)
+        return DecodeInstance(self.loop, name, perf, PrefixCache(perf.kv_capacity_tokens),
+                              max_batch_for(perf, ctx, self.cfg.tpot_target_s), batch_extend)
+
+    def serializer(self, p_inst) -> SerialWorker:
+        """P's asyncio thread (where its KV pushes are cut and serialized)."""
+        return self._serializers[p_inst.name]
+
+    def page_floor(self, tokens: int) -> int:
+        """Prefix hits are whole pages on an engine host; token-exact otherwise."""
+        S = self.cfg.host.page_size if self.cfg.host else 1
+        return tokens // S * S
 
     def _warm(self, trace: list[TraceRequest]) -> None:
         """Load history (arrival_s < 0) into the caches, as if it had been served:
@@ -103,17 +140,44 @@ class Cluster:
 
     # ---- driving ---------------------------------------------------------------------
     def run(self) -> list[SimRequest]:
+        if self.replay:
+            cfg, hc = self.cfg, self.cfg.host
+            self.wan.set_rate(hc.unshaped_gbps, 0.0, 0.0)
+            self.back.set_rate(hc.unshaped_gbps, 0.0, 0.0)
+            for turns in self.sessions.values():
+                if turns[0].arrival_s < 0:
+                    self._schedule(turns[0], 0.0)
+            self.loop.run()
+            self.t0 = self.loop.now
+            self.shapes_before = {i.name: set(self._steps(i).shapes) for i in [*self.P, *self.D, *self.R]}
+            self.wan.set_rate(cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s)
+            self.back.set_rate(cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s)
         for sid, turns in self.sessions.items():
             k = self._first_live[sid]
             if k < len(turns):
-                self._schedule(turns[k], turns[k].arrival_s)
+                self._schedule(turns[k], self.t0 + turns[k].arrival_s)
         self.loop.run()
         if len(self.done) != self.n_sent:
             raise SimError(f"{self.n_sent - len(self.done)} requests never finished")
         return self.done
 
+    @staticmethod
+    def _steps(inst):
+        return getattr(inst, "steps", None) if isinstance(inst, EnginePrefill) else inst.steps_model
+
+    def new_shapes(self) -> dict[str, int]:
+        """Per engine: step shapes first used in the measured phase (each a compile in a fresh
+        engine whose warm-up did not run it). Needs a host; replayed history is the warm-up."""
+        before = getattr(self, "shapes_before", {})
+        return {i.name: len(set(self._steps(i).shapes) - before.get(i.name, set()))
+                for i in [*self.P, *self.D, *self.R]}
+
+    def measured(self) -> list[SimRequest]:
+        """Finished requests of the measured phase (sent at or after t0)."""
+        return [r for r in self.done if r.arrival >= self.t0 and r.tr.arrival_s >= 0]
+
     def _schedule(self, tr: TraceRequest, t: float) -> None:
-        if t <= self.horizon:
+        if t - self.t0 <= self.horizon:
             self.n_sent += 1
             self.loop.at(t, self._send, tr)
 
@@ -121,10 +185,17 @@ class Cluster:
         req = SimRequest(tr)
         req.arrival = self.loop.now
         self.lineage.add(req.sid, req.turn, req.prefix)
-        self.router.admit(req)
+        overhead = self.cfg.host.request_overhead_s if self.cfg.host else 0.0
+        if overhead > 0:
+            self.loop.after(overhead, self.router.admit, req)
+        else:
+            self.router.admit(req)
+
+    def _chunk(self, req: SimRequest, a: int, b: int, last: bool) -> None:
+        self.router.on_chunk(req, a, b, last)
 
     def _prefilled(self, req: SimRequest) -> None:
-        self.router.route(req)
+        self.router.prefilled(req)
 
     def complete(self, req: SimRequest) -> None:
         """A request's last token reached the user: record it and send the next turn."""
@@ -132,10 +203,16 @@ class Cluster:
             raise SimError(f"{req.rid} completed twice")
         req.done = True
         self.done.append(req)
+        self.router.finished(req)
         turns = self.sessions[req.sid]
         if req.turn + 1 < len(turns):
             nxt = turns[req.turn + 1]
-            self._schedule(nxt, max(nxt.arrival_s, req.finish + nxt.think_s))
+            if not self.replay:
+                self._schedule(nxt, max(nxt.arrival_s, req.finish + nxt.think_s))
+            elif nxt.arrival_s < 0:  # history: back to back
+                self._schedule(nxt, max(self.loop.now, req.finish))
+            elif req.tr.arrival_s >= 0:  # measured: closed loop within the session
+                self._schedule(nxt, max(self.t0 + nxt.arrival_s, req.finish + nxt.think_s))
 
     # ---- decode-side helpers used by the router and the handoff ----------------------
     def direct_seq(self, req: SimRequest, inst: DecodeInstance, in_b: bool, pinned: int = 0) -> Seq:
@@ -158,7 +235,7 @@ class Cluster:
             req.md_tokens = req.output - req.rld_tokens
             self.cache_on_md(req, inst, req.prompt + req.output)
         else:
-            req.rld_tokens = req.output
+            req.rld_tokens, req.rld_last = req.output, self.loop.now
         self.complete(req)
 
     def cache_on_md(self, req: SimRequest, inst: DecodeInstance, tokens: int) -> None:
@@ -186,3 +263,5 @@ class Cluster:
     def check_integrity(self) -> None:
         for inst in [*self.P, *self.D, *self.R]:
             inst.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()

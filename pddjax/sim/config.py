@@ -7,7 +7,10 @@ Modes:
 - "pd-cross": P in A, D (= MD) in B; every request P-MD over the WAN (no relay).
 - "pd-local": P and D both in A over RDMA (the same-datacenter PD baseline).
 The `d` pool is MD for "pdd"/"pd-cross" and the local D pool for "pd-local". Users connect
-to datacenter A, so tokens decoded in B reach them one WAN latency later.
+to datacenter A, so tokens decoded in B reach them one WAN latency later (`user_lag_s`).
+
+`host` (a HostConfig) puts every instance on one machine with shared cores and runs them
+step by step like pddjax's engines (`pddjax bench serve`); see host.py, engine_prefill.py.
 """
 
 from __future__ import annotations
@@ -35,6 +38,31 @@ class Pool:
 
 
 @dataclass(frozen=True)
+class HostConfig:
+    """One machine running every instance (`pddjax bench serve`), and the engines' settings."""
+
+    cores: float = 2.0  # CPU cores the services share
+    background_cores: float = 0.0  # demand of other processes on the host, all the time
+    step_cores: float = 2.0  # cores a prefill step keeps busy when it runs alone (XLA threads)
+    decode_cores: float = 2.0  # cores a decode / extend step of RLD, MD keeps busy alone
+    step_tokens: int = 256  # the engines' max_step_tokens
+    max_rows: int = 16  # the engines' max_rows
+    page_size: int = 16
+    kv_pages: int = 1024  # KV pages per engine (P's cache, RLD's, MD's DRC share them)
+    chunk_bytes: int = 2 * 1024 * 1024  # KVChunk size of P's pushes (the router's chunk_bytes)
+    request_overhead_s: float = 0.0  # router's own work per request before its first RPC
+    rpc_s: float = 0.0  # one router -> engine RPC's round trip besides the wait for the engine thread
+    export_s_per_token: float = 0.0  # P's engine thread: KV export, per token streamed
+    serialize_s_per_token: float = 0.0  # P, beside the engine (one core): chunking + protobuf per token sent
+    import_s_per_token: float = 0.0  # a receiver's engine thread: parse + import per token received
+    unshaped_gbps: float = 1.0  # the A -> B link while the history phase replays (unshaped)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_pages * self.page_size
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     mode: str
     p: Pool
@@ -55,6 +83,16 @@ class ClusterConfig:
     drc: bool = True  # decode side keeps a prefix cache (DRC)
     tpot_target_s: float = 0.05  # decode batch is capped so a step fits this
     seed: int = 0
+    # The router's policy (pddjax.serving.policy): rld_threshold_s is its TTFT budget.
+    filter_cap: float = 1.0  # share of recent decisions the singular filter may take (router: 0.05)
+    filter_window: int = 200
+    drift_tolerance: float = float("inf")  # sessions lagging more on MD are never filtered (router: 0.2)
+    rld_prior_tokens_per_s: float | None = None  # RLD speed before the first measurement (None: profile)
+    wan_prior_gbps: float | None = None  # link throughput before the first transfer (None: the line's)
+    cancel_late_transfers: bool = True  # RLD finished first: cancel the WAN push (router: let it finish)
+    link_timing: str = "first_byte"  # link samples timed from the push's first byte, or "admission" (router)
+    user_lag_s: float | None = None  # B -> user delay of tokens decoded in B (None: WAN latency)
+    host: HostConfig | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:

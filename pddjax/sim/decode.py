@@ -13,6 +13,11 @@ decode step (`batch_extend=True`: one mixed pass) or run as passes of their own,
 chunk, while the decode batch waits (`batch_extend=False`: the tail chunks that cannot be
 batched). Progress is O(1) per event: each running sequence stores the instance step count
 at which it joined, so emitted = base + (steps - joined).
+
+On a shared host (`host` given, `bench serve` validation) every step is its own segment and a
+job on the `Host` (timed by `engine_steps.StepModel` with the rows' contexts), and commands
+(`run_command`: KV imports) run on the engine thread between steps, before the next one, as
+pddjax's engine worker does.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 
 from pddjax.sim.cache import PrefixCache
+from pddjax.sim.engine_steps import StepModel
 from pddjax.sim.events import EPS, EventLoop, SimError
 
 _ids = itertools.count()
@@ -51,8 +57,11 @@ class DecodeInstance:
     """Continuous-batching decoder on one instance; see the module docstring."""
 
     def __init__(self, loop: EventLoop, name: str, perf, cache: PrefixCache, max_batch: int,
-                 batch_extend: bool = True):
+                 batch_extend: bool = True, host=None, step_cores: float = 1.0):
         self.loop, self.name, self.perf, self.cache = loop, name, perf, cache
+        self.host, self.step_cores = host, step_cores
+        self.steps_model = StepModel(perf) if host is not None else None
+        self._commands: deque[tuple[float, Callable[[], None]]] = deque()
         self.max_batch, self.batch_extend = max(1, max_batch), batch_extend
         self.waiting: deque[Seq] = deque()
         self.admitted = 0  # admitted but not running (handoff targets)
@@ -84,7 +93,7 @@ class DecodeInstance:
         return self.perf.step_s(b, self._ctx_off + self.batch * self.steps + extra_ctx)
 
     def _done_in_segment(self) -> int:
-        if not self._busy or self._kind == "extend" or self._dt <= 0:
+        if not self._busy or self._kind in ("extend", "command") or self._dt <= 0 or self.host is not None:
             return 0
         return min(self._n, int(math.floor((self.loop.now - self._t0) / self._dt + EPS)))
 
@@ -99,6 +108,14 @@ class DecodeInstance:
         """Queue a sequence for admission (needs `seq.need` KV tokens)."""
         seq.state = "waiting"
         self.waiting.append(seq)
+        self._kick()
+
+    def run_command(self, work_s: float, fn: Callable[[], None]) -> None:
+        """Engine-thread work between steps (a KV import): fn() when done. Free without a host."""
+        if self.host is None:
+            fn()
+            return
+        self._commands.append((work_s, fn))
         self._kick()
 
     def extend(self, seq: Seq, k: int, ctx: int, on_done: Callable[[], None]) -> None:
@@ -173,6 +190,15 @@ class DecodeInstance:
     def _segment_end(self, version: int) -> None:
         if version != self._version:
             return
+        if self._kind == "command":
+            self._busy, self._n, self._kind = False, 0, "idle"
+            self._planning = True
+            fns, self._seg_ext = self._seg_ext, []
+            for fn in fns:
+                fn()
+            self._planning = False
+            self._boundary()
+            return
         if self._kind in ("decode", "mixed"):
             self.steps += self._n
             self.tokens_out += self._n * len(self._run)
@@ -196,7 +222,15 @@ class DecodeInstance:
             seq.on_finish(seq)
 
     def _boundary(self) -> None:
-        """At a step boundary (nothing in flight): finish, start, admit, then plan."""
+        """At a step boundary (nothing in flight): commands, then finish, start, admit, plan."""
+        if self._commands:
+            work = sum(w for w, _ in self._commands)
+            self._seg_ext = [f for _, f in self._commands]
+            self._commands.clear()
+            self._kind, self._busy, self._n, self._t0, self._dt = "command", True, 1, self.loop.now, work
+            self._version += 1
+            self.host.run(work, 1.0, lambda v=self._version: self._segment_end(v), self.name)
+            return
         self._planning = True
         for seq, emitted, remaining, ctx in self._pending:
             self.admitted -= 1
@@ -234,7 +268,11 @@ class DecodeInstance:
             k = sum(i[1] for i in items)
             ectx = sum(i[2] for i in items)
             pairs = sum(i[1] * i[2] + i[1] * i[1] / 2 for i in items)
-            if self.batch_extend:
+            if self.host is not None:
+                self._kind = "mixed" if self.batch_extend else "extend"
+                dt = self.steps_model.step_s(b if self.batch_extend else 0, self._max_ctx() + 1,
+                                             [(i[1], i[2] + i[1]) for i in items])
+            elif self.batch_extend:
                 self._kind, dt = "mixed", self.perf.step_s(b, ctx_sum, k, ectx, pairs)
             else:
                 self._kind, dt = "extend", self.perf.step_s(0, 0, k, ectx, pairs)
@@ -245,14 +283,24 @@ class DecodeInstance:
             if n <= 0:
                 raise SimError(f"{self.name}: running sequence with no tokens left")
             self._kind = "decode"
-            dt = self.perf.step_s(b, ctx_sum + b * (n - 1) / 2)
+            if self.host is not None:
+                n, dt = 1, self.steps_model.step_s(b, self._max_ctx() + 1)
+            else:
+                dt = self.perf.step_s(b, ctx_sum + b * (n - 1) / 2)
         else:
             self._kind = "idle"
             return
         self._busy, self._t0, self._dt, self._n = True, now, dt, n
         self.busy_time += n * dt
         self._version += 1
-        self.loop.at(now + n * dt, self._segment_end, self._version)
+        if self.host is not None:
+            self.host.run(dt, self.step_cores, lambda v=self._version: self._segment_end(v), self.name)
+        else:
+            self.loop.at(now + n * dt, self._segment_end, self._version)
+
+    def _max_ctx(self) -> int:
+        """Longest context among the running sequences (0 if none)."""
+        return max((s.base_ctx + self.steps - s.join for s in self._run.values()), default=0)
 
     def _heap_min(self) -> int:
         while self._heap[0][2].state != "running":

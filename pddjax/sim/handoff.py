@@ -10,7 +10,9 @@
      meanwhile, and so on until a chunk is small enough to be the last.
 5. MD's extend pass over the last chunk yields the next token; MD decodes the rest.
 If RLD emits the whole output before the handoff completes (a singular request the filter
-did not predict), the request finishes on RLD and the WAN transfer is cancelled. If MD is
+did not predict), the request finishes on RLD; the WAN push is cancelled
+(`cancel_late_transfers`) or, as pddjax's router does, completes in the background and MD
+caches the prompt. If MD is
 ready before RLD even started (RLD queue full), RLD drops the request and MD serves all of it. Token ids
 cost 4 bytes each on the wire, counted in `id_bytes`.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pddjax.sim.decode import DecodeInstance, Seq
+from pddjax.sim.decode import Seq
 from pddjax.sim.request import SimRequest
 
 if TYPE_CHECKING:
@@ -34,24 +36,30 @@ class Handoff:
         self.id_bytes = 0
         self.cancelled_transfers = 0
 
-    def start(self, req: SimRequest, rld: DecodeInstance, link, nbytes: float) -> None:
-        """Dual-path send for a P-RLD-MD request."""
+    def prepare(self, req: SimRequest) -> None:
+        """The two sequences of a P-RLD-MD request (the router streams P's KV to both)."""
         c = self.c
-        req.rld_inst = rld
         req.rld_seq = Seq(req, req.prompt + req.output, req.prompt, req.output - 1, True,
                           on_admit=lambda s: setattr(req, "first_token", c.loop.now),
                           on_finish=lambda s: self._rld_finished(req))
-        link.send(req.prompt * c.kvb, lambda: rld.enqueue(req.rld_seq) if req.rld_seq.state == "new" else None)
         md = req.md_inst
         req.md_seq = Seq(req, req.prompt + req.output - req.md_pinned, req.prompt, 0, False,
                          on_admit=lambda s: c.back.message(lambda: self._step(req)),
                          on_finish=lambda s: c.finish_on(req, md, c.user_lag))
         req.md_seq.reserved = req.md_pinned
-        req.wan_bytes = nbytes
-        req.transfer = c.wan.send(nbytes, lambda: self._kv_at_md(req))
 
-    def _kv_at_md(self, req: SimRequest) -> None:
+    def rld_landed(self, req: SimRequest) -> None:
+        """RLD holds the full KV: it starts decoding (its first token is the user's)."""
+        if req.rld_seq.state == "new":
+            req.rld_inst.enqueue(req.rld_seq)
+
+    def kv_at_md(self, req: SimRequest) -> None:
+        """MD holds the delta. If RLD already finished (the push was not cancelled), MD
+        caches the prompt, as pddjax's router lets the push complete in the background."""
         if req.done:
+            if req.md_seq.state == "new":
+                req.kv_at_md = True
+                self.c.cache_on_md(req, req.md_inst, req.prompt)
             return
         req.kv_at_md = True
         req.md_inst.enqueue(req.md_seq)
@@ -73,6 +81,7 @@ class Handoff:
         final = cfg.handoff == "oneshot" or pending <= cfg.chunk_threshold
         if final:
             emitted = rld.remove(seq)
+            req.rld_last = c.loop.now
             if emitted >= req.output:  # RLD already produced everything
                 self._rld_finished(req, emitted)
                 return
@@ -112,13 +121,13 @@ class Handoff:
     def _rld_finished(self, req: SimRequest, emitted: int | None = None) -> None:
         """RLD emitted the last token before MD took over: finish here, cancel the WAN side."""
         c = self.c
-        req.finish = c.loop.now
+        req.finish = req.rld_last = c.loop.now
         req.rld_tokens, req.md_tokens = req.output, 0
         req.pipeline = "P-RLD*"  # dual path started, finished on RLD
         md, mseq = req.md_inst, req.md_seq
-        if req.transfer is not None and not req.transfer.done:
-            c.wan.cancel(req.transfer)
-            req.wan_bytes = req.transfer.sent
+        if c.cfg.cancel_late_transfers and req.transfer is not None and not req.transfer.landed:
+            req.transfer.cancel()
+            req.wan_bytes = req.transfer.bytes_sent
             self.cancelled_transfers += 1
         if mseq.state in ("waiting", "admitted", "running"):
             md.remove(mseq)

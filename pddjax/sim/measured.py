@@ -7,13 +7,16 @@ Input (extra keys ignored):
      "extend_ms": {"1": 9.0, "16": 11.2, "64": 19.8},    # one extend pass over T tokens
      "prefill_tokens_per_s": 5200.0,
      "kv_capacity_tokens": 200000,                        # optional
-     "kv_bytes_per_token": 23040}                         # optional (default: SmolLM2-135M)
+     "kv_bytes_per_token": 23040,                         # optional (default: SmolLM2-135M)
+     "context": 256, "page_size": 16,                     # optional: where the steps were timed
+     "attention_ns_per_pair": 1700,                       # optional host calibration (engine_steps.py)
+     "gather_ns_per_slot": 14000, "gather_far_ns_per_slot": 38000, "gather_knee_slots": 1024}
 
 Times are interpolated piecewise-linearly in batch / tokens, extrapolated linearly past the
-last point and clamped below the first. The measurement has no context axis, so context
-length is ignored (the benchmark's contexts are short). A decode step with extend chunks
-batched in costs decode(B) + extend(T) - extend(1): the chunk's tokens ride on a pass that
-already reads the weights.
+last point and clamped below the first. `step_s` / `prefill_s` (the cluster-scale model)
+ignore context length; a decode step with extend chunks batched in costs decode(B) +
+extend(T) - extend(1): the chunk's tokens ride on a pass that already reads the weights.
+The step-accurate model of one host (`engine_steps.py`) adds the context terms.
 """
 
 from __future__ import annotations
@@ -47,6 +50,13 @@ def _table(obj: dict, key: str) -> list[tuple[float, float]]:
     return pts
 
 
+def _nonneg(obj: dict, key: str) -> float:
+    x = obj.get(key, 0.0)
+    if not isinstance(x, (int, float)) or x < 0:
+        raise ValueError(f"engine profile {key!r} must be a number >= 0")
+    return float(x)
+
+
 @dataclass(frozen=True)
 class MeasuredInstance:
     """Same interface as `RooflineInstance`, from measured step times."""
@@ -59,6 +69,12 @@ class MeasuredInstance:
     kv_bytes_per_token: float = 23_040.0  # SmolLM2-135M unless the profile says otherwise
     chips: int = 1
     cost_per_hour: float = 1.0
+    context: int = 256  # context length of the timed decode / extend steps
+    page_size: int = 16
+    attention_ns_per_pair: float = 0.0  # per padded (query slot, KV slot) pair of a step
+    gather_ns_per_slot: float = 0.0  # per padded (row, KV slot) of a step, up to the knee
+    gather_far_ns_per_slot: float = 0.0  # beyond the knee (0: same as below it)
+    gather_knee_slots: int = 1024  # (rows x KV slots) gathered per step before copies leave the caches
 
     @classmethod
     def from_json(cls, obj: dict, cost_per_hour: float = 1.0) -> "MeasuredInstance":
@@ -70,6 +86,11 @@ class MeasuredInstance:
             extend=_table(obj, "extend_ms"), prefill_tokens_per_s=float(rate),
             kv_capacity_tokens=int(obj.get("kv_capacity_tokens", 1_000_000)), cost_per_hour=cost_per_hour,
             kv_bytes_per_token=float(obj.get("kv_bytes_per_token", 23_040.0)),
+            context=int(obj.get("context", 256)), page_size=int(obj.get("page_size", 16)),
+            attention_ns_per_pair=_nonneg(obj, "attention_ns_per_pair"),
+            gather_ns_per_slot=_nonneg(obj, "gather_ns_per_slot"),
+            gather_far_ns_per_slot=_nonneg(obj, "gather_far_ns_per_slot"),
+            gather_knee_slots=int(obj.get("gather_knee_slots", 1024)),
         )
 
     @classmethod

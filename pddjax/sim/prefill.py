@@ -35,6 +35,14 @@ class PrefillInstance:
         """Prompt tokens this instance would reuse for `req` now (no cache change)."""
         return min(self.lineage.cached_hit(self.cache, req), req.prompt - 1)
 
+    @staticmethod
+    def run_command(work: float, fn) -> None:
+        """RPCs cost nothing here (no engine thread is modelled)."""
+        fn()
+
+    def _hit(self, req) -> int:
+        return self.hit_for(req) if req.hit_forced is None else req.hit_forced
+
     def predict_s(self, req) -> float:
         """Predicted seconds from now until `req` would finish here."""
         hit = self.hit_for(req)
@@ -42,8 +50,11 @@ class PrefillInstance:
         return wait + self.perf.prefill_s(req.prompt - hit, hit)
 
     # ---- mutations -------------------------------------------------------------------
-    def submit(self, req) -> None:
-        hit = self.hit_for(req)
+    def submit(self, req, export_from: int = 0, hit: int | None = None) -> None:
+        """Queue `req` (this P computes the whole prompt, then hands over all of its KV;
+        `export_from` is not needed here); `hit` overrides the cache lookup."""
+        req.hit_forced = hit
+        hit = self._hit(req)
         req.p_predicted_s = self.perf.prefill_s(req.prompt - hit, hit)
         self._queued_s += req.p_predicted_s
         self.queue.append(req)
@@ -54,7 +65,7 @@ class PrefillInstance:
         req = self.queue.popleft()
         self._queued_s = max(0.0, self._queued_s - req.p_predicted_s)
         now = self.loop.now
-        hit = self.hit_for(req)
+        hit = self._hit(req)
         key = ("s", req.sid)
         entry = self.cache.take(key)  # pin the session prefix while we extend it
         pinned = entry.tokens if entry else 0

@@ -16,6 +16,7 @@ class SimRequest:
         "pipeline", "md_hit", "md_pinned", "md_pinned_turn", "md_inst", "md_seq", "rld_inst", "rld_seq",
         "transfer", "wan_bytes", "kv_at_md", "handed", "chunks", "handoff_start", "handoff_end",
         "first_token", "finish", "rld_tokens", "md_tokens", "done",
+        "streams", "sync", "sync_main", "rld_last", "hit_forced",
     )
 
     def __init__(self, tr: TraceRequest):
@@ -34,6 +35,11 @@ class SimRequest:
         self.first_token = self.finish = -1.0
         self.rld_tokens = self.md_tokens = 0
         self.done = False
+        self.streams: list = []  # KVStream per target of P's KV
+        self.sync = False  # a background context push to MD, not a user request
+        self.sync_main = False  # filtered turn: push its context to MD afterwards
+        self.rld_last = -1.0  # when RLD emitted its last token for this request
+        self.hit_forced: int | None = None  # P hit given by the caller (a sync: P holds the prompt)
 
     @property
     def ttft(self) -> float:
@@ -55,4 +61,5 @@ class SimRequest:
             "first_token_s": self.first_token, "finish_s": self.finish, "wan_bytes": self.wan_bytes,
             "rld_tokens": self.rld_tokens, "md_tokens": self.md_tokens, "chunks": self.chunks,
             "handoff_s": (self.handoff_end - self.handoff_start) if self.handoff_end >= 0 else None,
+            "p_hit_tokens": self.p_hit, "md_hit_tokens": self.md_hit,
         }

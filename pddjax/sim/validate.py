@@ -1,54 +1,143 @@
 """Predicted against measured: the simulator's TTFT for `pddjax bench serve --quick`.
 
 Inputs:
-- the benchmark's JSON (`pddjax bench serve --json FILE`), at least
-  {"modes": {"pdd": {"ttft_ms": {"p50", "p90", "p99"}}, "pd-cross": {...}, "pd-local": {...}}};
-- this machine's engine profile (`pddjax bench engine --json FILE`, see `measured.py`);
-- the emulated WAN settings the benchmark used (bandwidth, one-way latency, mean jitter);
-- the trace the benchmark replayed (default: the "quick" workload preset).
+- the benchmark's JSON (`pddjax bench serve --json FILE`): `modes.<mode>.ttft_ms` {p50, p99, ...},
+  `requests.<mode>` (per request: request_id, pipeline, ttft_ms, ...), `wan` {mbps, latency_ms,
+  jitter_ms}, `trace.config` (the generated workload, used when no trace file is given);
+- this machine's engine profile (`pddjax bench engine --json FILE`, see `measured.py`),
+  optionally with the host calibration (`python -m pddjax.sim.calibrate`, `engine_steps.py`);
+- the trace the benchmark replayed (`bench serve --save-trace FILE`), for an exact replay.
 
-The three benchmark modes map onto simulator modes with one instance per pool, all with the
-measured timings: pdd -> "pdd" (P, RLD, MD), pd-cross -> "pd-cross" (P, MD), pd-local ->
-"pd-local" (P, D over the direct link). Every request of the trace is measured (no window).
-Known gap: the benchmark runs all instances on one machine, which the simulator does not
-model as contention.
+The simulation reproduces the benchmark (`bench_serve.py`, `bench_replay.py`): one P, one RLD,
+one MD instance, all on one host whose `HostConfig.cores` they share (`host.py`), each running
+step by step as pddjax's engines do (`engine_prefill.py`, `decode.py`); the history turns
+first on an unshaped line, then the router restarted (fresh estimates, prior = the line's
+rate) and the measured turns from t0 on the shaped line (a FIFO, as the emulator is),
+closed loop within each session; tokens reach the user from MD directly (the router talks
+to MD without the WAN); `background_cores` of other processes if the benchmark recorded
+them (`modes.<mode>.host.background_cores`) or the caller gives them. Modes:
+pdd -> "pdd" with the router's policy settings, pd-cross -> "pd-cross", pd-local -> "pd-local"
+(RLD is the local decoder), pdd-drc-off -> "pdd" without MD's DRC.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pddjax.sim.config import ClusterConfig, Pool, Sla
+import numpy as np
+
+from pddjax.sim.cluster import Cluster
+from pddjax.sim.config import ClusterConfig, HostConfig, Pool
 from pddjax.sim.measured import MeasuredInstance
-from pddjax.sim.runner import simulate
 from pddjax.workload.trace import TraceRequest
 
-MODES = ("pdd", "pd-cross", "pd-local")
+MODES = ("pdd", "pd-cross", "pd-local", "pdd-drc-off")
 STATS = ("p50", "p99")
 TOLERANCE = 0.25
+# The emulator queues every byte P writes in one FIFO per direction (no backpressure) and
+# gRPC's flow-control windows let P keep megabytes queued there, so a hot turn's delta waits
+# behind a cold context's KV: FIFO (per P step) is closer than fair sharing (docs/sim.md).
+WAN_SHARING = "fifo"
+BENCH_PIPELINE = {"P-MD": "pd-cross", "P-RLD-MD": "pdd", "P-RLD*": "pdd", "P-RLD": "pd-local", "P-D": "pd-local"}
 
 
 @dataclass(frozen=True)
 class WanSettings:
-    gbps: float
+    mbps: float
     latency_ms: float
-    jitter_ms: float = 0.0
+    jitter_ms: float = 0.0  # scale of |N(0, j)| (the benchmark's default jitter distribution)
 
 
-def predict(perf: MeasuredInstance, wan: WanSettings, trace: list[TraceRequest]) -> dict:
-    """Simulated {"modes": {mode: {"ttft_ms": {...}, ...}}} for the benchmark's three modes."""
+@dataclass(frozen=True)
+class RouterSettings:
+    """The router's defaults (pddjax.serving.config.RouterSettings) that the policy uses."""
+
+    ttft_budget_s: float = 0.5
+    filter_cap: float = 0.05
+    filter_window: int = 200
+    drift_tolerance: float = 0.2
+    rld_tokens_per_s_prior: float = 50.0
+    handoff_threshold: int = 64
+
+
+def background_of(measured: dict, mode: str) -> float | None:
+    """Cores other processes kept busy during the mode, if the benchmark recorded it
+    (`modes.<mode>.host.background_cores`)."""
+    x = ((measured["modes"].get(mode) or {}).get("host") or {}).get("background_cores")
+    return float(x) if isinstance(x, (int, float)) and x >= 0 else None
+
+
+def mode_config(mode: str, perf: MeasuredInstance, wan: WanSettings, host: HostConfig,
+                router: RouterSettings = RouterSettings()) -> ClusterConfig:
+    """The simulated deployment of one benchmark mode."""
+    sim_mode = {"pdd": "pdd", "pd-cross": "pd-cross", "pd-local": "pd-local", "pdd-drc-off": "pdd"}[mode]
+    gbps = wan.mbps / 1e3
+    return ClusterConfig(
+        mode=sim_mode, p=Pool(perf, 1), d=Pool(perf, 1), rld=Pool(perf, 1) if sim_mode == "pdd" else None,
+        wan_gbps=gbps, wan_latency_s=wan.latency_ms / 1e3,
+        wan_jitter_s=wan.jitter_ms / 1e3 * math.sqrt(2 / math.pi),  # mean of |N(0, j)|
+        wan_sharing=WAN_SHARING, fast_gbps=10.0, fast_latency_s=50e-6, handoff="chunked", chunk_threshold=router.handoff_threshold,
+        rld_threshold_s=router.ttft_budget_s, filter_cap=router.filter_cap, filter_window=router.filter_window,
+        drift_tolerance=router.drift_tolerance, rld_prior_tokens_per_s=router.rld_tokens_per_s_prior,
+        wan_prior_gbps=gbps, cancel_late_transfers=False, link_timing="admission", user_lag_s=0.0,
+        drc=mode != "pdd-drc-off",
+        tpot_target_s=10.0, host=host,
+    )
+
+
+def pct(xs) -> dict:
+    """The benchmark's percentiles (numpy's linear interpolation), in the unit given."""
+    if not xs:
+        return {"p50": None, "p90": None, "p99": None, "max": None, "mean": None, "n": 0}
+    a = np.asarray(xs, dtype=np.float64)  # [n]
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max()), "mean": float(a.mean()), "n": int(a.size)}
+
+
+def simulate_mode(mode: str, perf: MeasuredInstance, wan: WanSettings, host: HostConfig,
+                  trace: list[TraceRequest], router: RouterSettings = RouterSettings()) -> dict:
+    """{"ttft_ms": pct, "pipelines", "requests": [...], ...} for the measured turns of one mode."""
+    cl = Cluster(mode_config(mode, perf, wan, host, router), trace, horizon=math.inf, replay_history=True)
+    cl.run()
+    cl.check_integrity()
+    reqs = sorted(cl.measured(), key=lambda r: (r.arrival, r.rid))
+    pipes: dict[str, int] = {}
+    for r in reqs:
+        name = BENCH_PIPELINE[r.pipeline]
+        pipes[name] = pipes.get(name, 0) + 1
+    out_tokens = sum(r.output for r in reqs) or 1
+    return {
+        "ttft_ms": pct([1e3 * r.ttft for r in reqs]),
+        "tpot_ms": pct([1e3 * r.tpot for r in reqs if r.output > 1]),
+        "e2e_ms": pct([1e3 * (r.finish - r.arrival) for r in reqs]),
+        "wall_s": max(r.finish for r in reqs) - cl.t0 if reqs else 0.0,
+        "pipelines": pipes,
+        "rld_token_share": sum(r.rld_tokens for r in reqs) / out_tokens,
+        "wan_bytes": float(sum(r.wan_bytes for r in reqs)),
+        "history_s": cl.t0,
+        "new_step_shapes": cl.new_shapes(),
+        "host_utilization": cl.host.busy_s / (cl.loop.now * cl.host.cores) if cl.loop.now else 0.0,
+        "requests": [{"request_id": r.rid, "pipeline": BENCH_PIPELINE[r.pipeline], "ttft_ms": 1e3 * r.ttft,
+                      "send_s": r.arrival - cl.t0, "queue_s": r.prefill_start - r.arrival,
+                      "prefill_s": r.prefill_end - r.prefill_start, "p_hit": r.p_hit, "md_hit": r.md_hit,
+                      "prompt": r.prompt, "output": r.output, "rld_tokens": r.rld_tokens} for r in reqs],
+    }
+
+
+def predict(perf: MeasuredInstance, wan: WanSettings, host: HostConfig, trace: list[TraceRequest],
+            modes=MODES, router: RouterSettings = RouterSettings(), background: dict | None = None) -> dict:
+    """Simulated {"modes": {mode: simulate_mode(...)}} for the given benchmark modes
+    (`background`: per mode, cores other processes used, overriding host.background_cores)."""
     out = {}
-    for mode in MODES:
-        cfg = ClusterConfig(
-            mode=mode, p=Pool(perf, 1), d=Pool(perf, 1), rld=Pool(perf, 1) if mode == "pdd" else None,
-            wan_gbps=wan.gbps, wan_latency_s=wan.latency_ms / 1e3, wan_jitter_s=wan.jitter_ms / 1e3,
-            tpot_target_s=10.0,  # the benchmark does not cap batches by step time
-        )
-        s = simulate(cfg, trace, Sla(), measure_all=True)
-        out[mode] = {"ttft_ms": s["ttft_ms"], "rld_token_share": s["rld_token_share"],
-                     "wan_bytes": s["wan_bytes"], "pipelines": s["pipelines"]}
+    for m in modes:
+        h = host
+        if background and background.get(m) is not None:
+            h = dataclasses.replace(host, background_cores=background[m])
+        out[m] = simulate_mode(m, perf, wan, h, trace, router)
     return {"modes": out}
 
 
@@ -68,11 +157,42 @@ def load_measured(path: str | Path) -> dict:
     return obj
 
 
+def wan_of(measured: dict) -> WanSettings | None:
+    """The emulated WAN the benchmark recorded, if any."""
+    w = measured.get("wan")
+    if not isinstance(w, dict) or not isinstance(w.get("mbps"), (int, float)) or w["mbps"] <= 0:
+        return None
+    return WanSettings(float(w["mbps"]), float(w.get("latency_ms", 0.0)), float(w.get("jitter_ms", 0.0)))
+
+
+def trace_of(measured: dict, path: str | Path | None = None) -> list[TraceRequest]:
+    """The replayed trace: the file if given, else regenerated from the benchmark's recorded
+    workload config; ValueError with a sentence if neither is available."""
+    from pddjax.workload import generate, read_trace
+    from pddjax.workload.config import WorkloadConfig
+
+    if path:
+        return read_trace(path)
+    cfg = (measured.get("trace") or {}).get("config")
+    if not isinstance(cfg, dict):
+        raise ValueError("the benchmark JSON records no workload config: pass the trace with "  # noqa: TRY004
+                         "--trace FILE (`pddjax bench serve --save-trace FILE`)")
+    try:
+        wl = WorkloadConfig(**{**cfg, "hit_mix": tuple(tuple(b) for b in cfg.get("hit_mix", ()))})
+    except TypeError as e:
+        raise ValueError(f"the benchmark's workload config is not usable ({e})") from None
+    return generate(wl)
+
+
+def measured_modes(measured: dict) -> list[str]:
+    return [m for m in MODES if m in measured["modes"]]
+
+
 def compare(predicted: dict, measured: dict) -> list[dict]:
     """Rows {mode, stat, predicted_ms, measured_ms, error, ok} for modes present in both."""
     rows = []
     for mode in MODES:
-        if mode not in measured["modes"]:
+        if mode not in measured["modes"] or mode not in predicted["modes"]:
             continue
         for stat in STATS:
             p = predicted["modes"][mode]["ttft_ms"][stat]
@@ -83,6 +203,32 @@ def compare(predicted: dict, measured: dict) -> list[dict]:
     return rows
 
 
+def request_agreement(rows: list[dict]) -> dict:
+    """Of the per-request rows: the share within 25% and 50%, and the median |log ratio|."""
+    if not rows:
+        return {"n": 0}
+    ratios = [r["predicted_ms"] / r["measured_ms"] for r in rows if r["measured_ms"] > 0]
+    logs = sorted(abs(math.log(x)) for x in ratios if x > 0)
+    return {"n": len(ratios), "within_25": sum(abs(x - 1) <= 0.25 for x in ratios) / len(ratios),
+            "within_50": sum(abs(x - 1) <= 0.5 for x in ratios) / len(ratios),
+            "median_abs_log_ratio": logs[len(logs) // 2] if logs else None}
+
+
+def per_request(predicted: dict, measured: dict, mode: str) -> list[dict]:
+    """Request by request: measured and predicted TTFT and pipeline (requests in both)."""
+    sim = {r["request_id"]: r for r in predicted["modes"][mode]["requests"]}
+    out = []
+    for r in (measured.get("requests") or {}).get(mode, []):
+        s = sim.get(r["request_id"])
+        if s is None or r.get("ttft_ms") is None:
+            continue
+        out.append({"request_id": r["request_id"], "measured_ms": r["ttft_ms"], "predicted_ms": s["ttft_ms"],
+                    "measured_pipeline": r.get("pipeline"), "predicted_pipeline": s["pipeline"],
+                    "hit": r.get("hit"), "cached_on_main": r.get("cached_on_main"), "md_hit": s["md_hit"],
+                    "queue_s": s["queue_s"], "prefill_s": s["prefill_s"]})
+    return out
+
+
 def format_table(rows: list[dict]) -> str:
     """Markdown table of `compare` rows."""
     lines = ["| mode | TTFT | predicted ms | measured ms | error | within 25% |",
@@ -90,4 +236,14 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['mode']} | {r['stat']} | {r['predicted_ms']:.0f} | {r['measured_ms']:.0f} | "
                      f"{100 * r['error']:+.0f}% | {'yes' if r['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def format_requests(rows: list[dict]) -> str:
+    """Markdown table of `per_request` rows."""
+    lines = ["| request | hit | measured ms | predicted ms | pipeline measured / sim | MD hit measured / sim |",
+             "|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['request_id']} | {r['hit']:.2f} | {r['measured_ms']:.0f} | {r['predicted_ms']:.0f} | "
+                     f"{r['measured_pipeline']} / {r['predicted_pipeline']} | {r['cached_on_main']} / {r['md_hit']} |")
     return "\n".join(lines)

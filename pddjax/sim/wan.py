@@ -11,6 +11,11 @@ exponential with mean `jitter_s` (0 = none), drawn per transfer from the line's 
 RNG. Small control messages (token ids, readiness acks) skip the byte queue and pay latency
 and jitter only. `bytes_sent` counts bytes that really left (a cancelled transfer counts
 what had been sent).
+
+Streams: `open()` a transfer whose bytes are produced over time (P streams each prefill
+step's KV) and `feed(tr, nbytes, last)` them; between feeds a stream that has sent everything
+it was given leaves the sharing (fair), or each feed queues behind what is queued (FIFO); it
+is delivered once its last byte (fed with last=True) has arrived.
 """
 
 from __future__ import annotations
@@ -26,14 +31,19 @@ from pddjax.sim.events import EPS, EventLoop
 
 
 class Transfer:
-    __slots__ = ("nbytes", "on_done", "start_v", "end_v", "done", "cancelled", "sent", "t_start")
+    __slots__ = ("nbytes", "on_done", "start_v", "end_v", "done", "cancelled", "sent", "t_start", "final", "active",
+                 "left_before", "pieces")
 
-    def __init__(self, nbytes: float, on_done: Callable[[], None]):
+    def __init__(self, nbytes: float, on_done: Callable[[], None], final: bool = True):
         self.nbytes, self.on_done = nbytes, on_done
         self.start_v = self.end_v = 0.0
         self.done = self.cancelled = False
         self.t_start = 0.0
         self.sent = 0.0  # bytes that left (nbytes once done)
+        self.final = final  # all bytes fed (streams: False until the last feed)
+        self.active = False  # sharing the bandwidth now (fair)
+        self.left_before = 0.0  # stream: bytes that had left before the current active stretch
+        self.pieces: list[Transfer] = []  # stream on a FIFO line: its feeds, queued in order
 
 
 class Line:
@@ -64,7 +74,7 @@ class Line:
         """Bytes still to leave for transfers in flight."""
         self._advance()
         if self.sharing == "fair":
-            return sum(tr.end_v - self._v for _, _, tr in self._active if not tr.cancelled)
+            return sum(tr.end_v - self._v for tr in self._live())
         return sum(tr.nbytes for tr in self._fifo) - (self._fifo_sent() if self._fifo else 0.0)
 
     def predict_s(self, nbytes: float) -> float:
@@ -73,7 +83,7 @@ class Line:
         fifo: (backlog + b) / bw; plus mean latency and jitter."""
         self._advance()
         if self.sharing == "fair":
-            ahead = sum(min(tr.end_v - self._v, nbytes) for _, _, tr in self._active if not tr.cancelled)
+            ahead = sum(min(tr.end_v - self._v, nbytes) for tr in self._live())
         else:
             ahead = self.backlog_bytes()
         return (ahead + nbytes) / self.bw + self.latency_s + self.jitter_s
@@ -93,9 +103,7 @@ class Line:
         self._advance()
         tr.t_start = self.loop.now
         if self.sharing == "fair":
-            tr.start_v, tr.end_v = self._v, self._v + tr.nbytes
-            heapq.heappush(self._active, (tr.end_v, next(self._seq), tr))
-            self._n += 1
+            self._activate(tr, tr.nbytes)
         else:
             self._fifo.append(tr)
             if len(self._fifo) == 1:
@@ -107,11 +115,21 @@ class Line:
         """Stop a transfer in flight; the bytes already sent stay counted (in `tr.sent`)."""
         if tr.done or tr.cancelled:
             return
+        if tr.pieces:  # a stream on a FIFO line
+            tr.cancelled = True
+            for piece in tr.pieces:
+                self.cancel(piece)
+            tr.sent = sum(piece.sent for piece in tr.pieces)
+            return
         self._advance()
         tr.cancelled = True
         if self.sharing == "fair":
-            tr.sent = min(tr.nbytes, self._v - tr.start_v)
-            self._n -= 1
+            if tr.active:
+                tr.sent = tr.left_before + min(tr.end_v - tr.start_v, self._v - tr.start_v)
+                tr.active = False
+                self._n -= 1
+            else:
+                tr.sent = tr.left_before
         else:
             if self._fifo and self._fifo[0] is tr:
                 tr.sent = self._fifo_sent()
@@ -123,7 +141,71 @@ class Line:
         self.bytes_sent += tr.sent
         self._reschedule()
 
+    def set_rate(self, gbps: float, latency_s: float, jitter_s: float) -> None:
+        """Change the line's bandwidth and delays from now on (transfers in flight continue)."""
+        if gbps <= 0 or latency_s < 0 or jitter_s < 0:
+            raise ValueError("line needs gbps > 0, latency >= 0, jitter >= 0")
+        self._advance()
+        self.bw, self.latency_s, self.jitter_s = gbps * 1e9 / 8, latency_s, jitter_s
+        self._reschedule()
+
+    def open(self, on_done: Callable[[], None]) -> Transfer:
+        """A stream: bytes arrive by `feed`; on_done() once the last fed byte is delivered."""
+        tr = Transfer(0.0, on_done, final=False)
+        tr.t_start = self.loop.now
+        return tr
+
+    def feed(self, tr: Transfer, nbytes: float, last: bool = False) -> None:
+        """Give a stream `nbytes` more bytes to send; `last` marks its final piece."""
+        if tr.final or tr.cancelled:
+            raise ValueError("feeding a stream that is finished or cancelled")
+        if self.sharing == "fifo":
+            tr.nbytes += nbytes
+            tr.final = last
+            if last and nbytes <= 0 and tr.pieces and not tr.pieces[-1].done:
+                tr.pieces[-1].on_done = lambda: self._stream_delivered(tr)  # arrives with the last bytes
+                return
+            tr.pieces.append(self.send(nbytes, (lambda: self._stream_delivered(tr)) if last else (lambda: None)))
+            return
+        self._advance()
+        tr.nbytes += nbytes
+        tr.final = last
+        if tr.active:
+            tr.end_v += nbytes
+            heapq.heappush(self._active, (tr.end_v, next(self._seq), tr))  # the old entry goes stale
+        elif nbytes > 0:
+            self._activate(tr, nbytes)
+        elif last:  # nothing left to send: delivered after one propagation delay
+            self._deliver(tr)
+            return
+        self._reschedule()
+
     # ---- internals -------------------------------------------------------------------
+    def _live(self):
+        return [tr for tr in {id(t): t for _, _, t in self._active}.values() if tr.active]
+
+    def _activate(self, tr: Transfer, nbytes: float) -> None:
+        tr.left_before = tr.nbytes - nbytes
+        tr.start_v, tr.end_v, tr.active = self._v, self._v + nbytes, True
+        heapq.heappush(self._active, (tr.end_v, next(self._seq), tr))
+        self._n += 1
+
+    @staticmethod
+    def _stream_delivered(tr: Transfer) -> None:
+        if not tr.cancelled:
+            tr.done, tr.sent = True, tr.nbytes
+            tr.on_done()
+
+    def _deliver(self, tr: Transfer) -> None:
+        tr.done, tr.sent = True, tr.nbytes
+        self.bytes_sent += tr.nbytes
+        self.loop.after(self.delay(), tr.on_done)
+
+    @staticmethod
+    def _stale(entry) -> bool:
+        key, _, tr = entry
+        return tr.cancelled or not tr.active or key != tr.end_v
+
     def _fifo_sent(self) -> float:
         return min(self._fifo[0].nbytes, (self.loop.now - self._fifo[0].t_start) * self.bw)
 
@@ -136,7 +218,7 @@ class Line:
     def _reschedule(self) -> None:
         self._version += 1
         if self.sharing == "fair":
-            while self._active and self._active[0][2].cancelled:
+            while self._active and self._stale(self._active[0]):
                 heapq.heappop(self._active)
             if not self._active:
                 return
@@ -154,20 +236,24 @@ class Line:
         self._advance()
         finished = []
         if self.sharing == "fair":
-            while self._active and (self._active[0][2].cancelled or self._active[0][0] <= self._v + EPS * self.bw):
-                _, _, tr = heapq.heappop(self._active)
-                if not tr.cancelled:
+            while self._active and (self._stale(self._active[0]) or self._active[0][0] <= self._v + EPS * self.bw):
+                entry = heapq.heappop(self._active)
+                if self._stale(entry):
+                    continue
+                tr = entry[2]
+                tr.active = False
+                self._n -= 1
+                if tr.final:
                     finished.append(tr)
-                    self._n -= 1
+                else:  # a stream that sent all it has: waits for its next feed
+                    tr.left_before = tr.nbytes
         else:
             tr = self._fifo.popleft()
             finished.append(tr)
             if self._fifo:
                 self._fifo[0].t_start = self.loop.now
         for tr in finished:
-            tr.done, tr.sent = True, tr.nbytes
-            self.bytes_sent += tr.nbytes
-            self.loop.after(self.delay(), tr.on_done)
+            self._deliver(tr)
         if self.sharing == "fair" and self._n == 0:
             self._v = 0.0  # idle line: restart the virtual clock (keeps floats small)
             self._active.clear()

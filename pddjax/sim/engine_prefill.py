@@ -1,0 +1,150 @@
+"""A prefill (P) instance that runs like pddjax's P service, step by step, on a shared host.
+
+What the real P does (pddjax/serving/prefill_service.py, engines/paged_engine.py):
+- admission: the prompt joins the engine at once (no FIFO of whole prompts); its prefix-cache
+  hit is page-granular and leaves at least one token to compute; the cached part's KV is
+  exported and streamed to the targets right away (a command on the engine thread);
+- every step packs the sequences with pending tokens, fewest pending first, up to
+  `step_tokens` tokens and `max_rows` rows (a short high-hit prompt overtakes a cold one);
+  after the step each row's new KV is exported and streamed (`on_chunk(req, a, b, last)`);
+- the step that finishes a prompt samples its first token; P keeps the prompt in its cache.
+Steps and commands run one at a time on the instance's engine thread; each is a job on the
+shared `Host` (steps keep `step_cores` busy, exports one core).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from pddjax.sim.cache import PrefixCache
+from pddjax.sim.config import HostConfig
+from pddjax.sim.engine_steps import StepModel
+from pddjax.sim.events import EventLoop, SimError
+from pddjax.sim.host import Host
+from pddjax.sim.lineage import Lineage
+
+
+class _Job:
+    __slots__ = ("export_from", "held", "pending", "req", "upto")
+
+    def __init__(self, req, hit: int, export_from: int, held: int):
+        self.req, self.pending, self.upto = req, req.prompt - hit, hit
+        self.export_from, self.held = export_from, held
+
+
+class EnginePrefill:
+    """One P instance; `submit(req, export_from)`; `on_chunk` per exported piece, `on_done` at the end."""
+
+    streams = True
+
+    def __init__(self, loop: EventLoop, name: str, perf, lineage: Lineage, host: Host, hc: HostConfig,
+                 on_chunk: Callable, on_done: Callable):
+        self.loop, self.name, self.perf, self.lineage, self.host, self.hc = loop, name, perf, lineage, host, hc
+        self.steps = StepModel(perf)
+        self.cache = PrefixCache(hc.kv_tokens)
+        self.on_chunk, self.on_done = on_chunk, on_done
+        self.jobs: list[_Job] = []  # admission order
+        self.commands: deque[tuple[float, Callable[[], None]]] = deque()
+        self.busy = False
+        self.busy_time = 0.0
+        self.tokens_computed = 0
+        self.n_steps = 0
+
+    # ---- queries ---------------------------------------------------------------------
+    def hit_for(self, req) -> int:
+        """Prompt tokens the engine would take from its cache now: whole pages, >= 1 left."""
+        S = self.hc.page_size
+        hit = self.lineage.cached_hit(self.cache, req)
+        return min(hit // S * S, (req.prompt - 1) // S * S)
+
+    def predict_s(self, req) -> float:
+        """Rough seconds until `req` would finish here (queued tokens at full-step speed)."""
+        tokens = sum(j.pending for j in self.jobs) + req.prompt - self.hit_for(req)
+        return tokens * self.steps.lin(self.hc.step_tokens) / self.hc.step_tokens
+
+    # ---- mutations -------------------------------------------------------------------
+    def submit(self, req, export_from: int = 0, hit: int | None = None) -> None:
+        """Admit `req`; KV from token `export_from` on is exported for the targets; `hit`
+        overrides the cache lookup (a sync: P holds the prompt it extends)."""
+        hit = self.hit_for(req) if hit is None else hit
+        entry = self.cache.take(("s", req.sid))  # pin the session prefix while we extend it
+        pinned = entry.tokens if entry else 0
+        self.cache.touch(("d", req.doc))
+        working = max(0, req.prompt - pinned)
+        held = pinned + (working if self.cache.reserve(working) else 0)
+        req.prefill_start, req.p_hit, req.p_inst = self.loop.now, hit, self
+        job = _Job(req, hit, export_from, held)
+        self.jobs.append(job)
+        if hit > export_from:  # the cached part goes out at once
+            self.commands.append((self.hc.export_s_per_token * (hit - export_from),
+                                  lambda: self.on_chunk(req, export_from, hit, False)))
+        self.loop.after(0.0, self._kick)  # the engine thread takes every command queued now, then steps
+
+    def run_command(self, work: float, fn: Callable[[], None]) -> None:
+        """Engine-thread work between steps (an RPC such as MatchPrefix): fn() when done."""
+        self.commands.append((work, fn))
+        self.loop.after(0.0, self._kick)
+
+    def _kick(self) -> None:
+        if self.busy:
+            return
+        if self.commands:
+            work = sum(w for w, _ in self.commands)
+            fns = [f for _, f in self.commands]
+            self.commands.clear()
+            self.busy = True
+            self.host.run(work, 1.0, lambda: self._commands_done(fns), self.name)
+            return
+        if not self.jobs:
+            return
+        rows, budget = [], self.hc.step_tokens
+        for job in sorted(self.jobs, key=lambda j: j.pending):  # stable: ties in admission order
+            if len(rows) == self.hc.max_rows or budget == 0:
+                break
+            n = min(job.pending, budget)
+            rows.append((job, n))
+            budget -= n
+        work = self.steps.step_s(chunks=[(n, j.upto + n) for j, n in rows])
+        exported = sum(max(0, j.upto + n - max(j.upto, j.export_from)) for j, n in rows)
+        work += self.hc.export_s_per_token * exported
+        self.busy = True
+        self.busy_time += work
+        self.n_steps += 1
+        self.host.run(work, self.hc.step_cores, lambda: self._step_done(rows), self.name)
+
+    def _commands_done(self, fns) -> None:
+        self.busy = False
+        for fn in fns:
+            fn()
+        self._kick()
+
+    def _step_done(self, rows) -> None:
+        self.busy = False
+        for job, n in rows:
+            a = job.upto
+            job.upto += n
+            job.pending -= n
+            self.tokens_computed += n
+            last = job.pending == 0
+            self.on_chunk(job.req, max(a, job.export_from), job.upto, last)
+            if last:
+                self._finish(job)
+        self._kick()
+
+    def _finish(self, job: _Job) -> None:
+        req = job.req
+        self.jobs.remove(job)
+        self.cache.release(job.held)
+        self.cache.insert(("s", req.sid), req.prompt, req.turn)
+        if req.turn == 0:
+            old = self.cache.get(("d", req.doc))
+            if old is None or old.tokens < req.prefix:
+                self.cache.insert(("d", req.doc), req.prefix, -1)
+        req.prefill_end = self.loop.now
+        self.on_done(req)
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+        if any(j.pending <= 0 for j in self.jobs):
+            raise SimError(f"{self.name}: a finished prompt is still admitted")

@@ -1,0 +1,197 @@
+"""The one-host model behind `sim --scenario validate`: shared cores, engine steps, P's
+scheduling, KV streams, and the benchmark's two-phase replay. Cases are small enough to
+check by hand (times in seconds)."""
+
+import pytest
+
+from pddjax.sim.cache import PrefixCache
+from pddjax.sim.cluster import Cluster
+from pddjax.sim.config import ClusterConfig, HostConfig, Pool
+from pddjax.sim.decode import DecodeInstance, Seq
+from pddjax.sim.engine_prefill import EnginePrefill
+from pddjax.sim.engine_steps import StepModel, kv_slots
+from pddjax.sim.events import EventLoop
+from pddjax.sim.host import Host
+from pddjax.sim.lineage import Lineage
+from pddjax.sim.measured import MeasuredInstance
+from pddjax.sim.request import SimRequest
+from pddjax.sim.streams import KVStream
+from pddjax.sim.wan import Line
+from pddjax.workload.trace import TraceRequest
+
+# Every step takes 0.1 s whatever its shape (one table point; the 512-token prefill too).
+FLAT = MeasuredInstance.from_json({"decode_ms": {"1": 100}, "extend_ms": {"1": 100}, "prefill_tokens_per_s": 5120,
+                                   "kv_bytes_per_token": 1000})
+
+
+def finish_times(cores, jobs):
+    """Run (start, work, cores) jobs on a host; their finish times."""
+    loop, done = EventLoop(), {}
+    host = Host(loop, cores)
+    for i, (start, work, c) in enumerate(jobs):
+        loop.at(start, lambda i=i, w=work, c=c: host.run(w, c, lambda: done.setdefault(i, loop.now)))
+    loop.run()
+    host.check_integrity()
+    return [done[i] for i in range(len(jobs))]
+
+
+@pytest.mark.parametrize("cores, jobs, expected", [
+    (2, [(0, 1, 1), (0, 1, 1)], [1, 1]),  # two one-core jobs on two cores: no slowdown
+    (2, [(0, 1, 1)] * 3, [1.5, 1.5, 1.5]),  # three on two: each at 2/3
+    (2, [(0, 1, 2), (0, 1, 2)], [2, 2]),  # two jobs that each want the whole host: each at 1/2
+    (2, [(0, 2, 1), (1, 1, 1), (1, 1, 1)], [2.5, 2.5, 2.5]),  # A has 1 s left at t=1, then all at 2/3
+    (1, [(0, 1, 1), (0, 3, 1)], [2, 4]),  # processor sharing: the short job leaves, the long speeds up
+])
+def test_host_processor_sharing(cores, jobs, expected):
+    assert finish_times(cores, jobs) == pytest.approx(expected)
+
+
+def test_step_model_reproduces_the_profile_and_adds_context():
+    prof = {"decode_ms": {"1": 40, "8": 120}, "extend_ms": {"1": 45, "16": 70, "64": 180},
+            "prefill_tokens_per_s": 500, "context": 256, "page_size": 16}
+    flat = StepModel(MeasuredInstance.from_json(prof))
+    ctx = StepModel(MeasuredInstance.from_json({**prof, "attention_ns_per_pair": 2000, "gather_ns_per_slot": 5000}))
+    for m in (flat, ctx):  # at the profile's own points the profile's times come back
+        assert m.step_s(decode_rows=1, decode_kv=256 + 16) == pytest.approx(0.040)
+        assert m.step_s(decode_rows=8, decode_kv=256 + 16) == pytest.approx(0.120)
+        assert m.step_s(chunks=[(64, 256 + 64)]) == pytest.approx(0.180)
+        assert m.step_s(chunks=[(512, 512)]) == pytest.approx(1.024)
+    # a 256-token chunk at context 768 costs a * 256 * dC + g * dC more than at context 0
+    dc = kv_slots(1024, 16) - kv_slots(256, 16)
+    assert dc == 768
+    d = ctx.step_s(chunks=[(256, 1024)]) - ctx.step_s(chunks=[(256, 256)])
+    assert d == pytest.approx(2e-6 * 256 * 768 + 5e-6 * 768)
+    assert flat.step_s(chunks=[(256, 1024)]) == flat.step_s(chunks=[(256, 256)])
+    assert len(ctx.shapes) == 6  # (T, B, width, Q) buckets seen
+
+
+def req(sid, prompt, prefix=0, turn=0, output=4):
+    return SimRequest(TraceRequest(f"s{sid}-t{turn}", sid, turn, 0.0, 0.0, 0, 2000, 1, prefix, prompt - prefix,
+                                   prompt, output, output))
+
+
+def prefill(host_cores=2.0, step_cores=1.0):
+    loop = EventLoop()
+    host = Host(loop, host_cores)
+    hc = HostConfig(cores=host_cores, step_cores=step_cores, step_tokens=256, max_rows=16)
+    chunks, done = [], {}
+    lin = Lineage()
+    p = EnginePrefill(loop, "p0", FLAT, lin, host, hc, lambda r, a, b, last: chunks.append((r.rid, a, b, last)),
+                      lambda r: done.setdefault(r.rid, loop.now))
+    return loop, host, p, lin, chunks, done
+
+
+def test_prefill_packs_steps_fewest_pending_first():
+    loop, _, p, lin, chunks, done = prefill()
+    cold, hot = req(1, 600), req(2, 50)
+    for r in (cold, hot):
+        lin.add(r.sid, 0, 0)
+        p.submit(r)
+    loop.run()
+    # step 1: hot's 50 + 206 of cold; steps 2, 3: 256 + 138 of cold (0.1 s each)
+    assert done == pytest.approx({"s2-t0": 0.1, "s1-t0": 0.3})
+    assert chunks == [("s2-t0", 0, 50, True), ("s1-t0", 0, 206, False), ("s1-t0", 206, 462, False),
+                      ("s1-t0", 462, 600, True)]
+    assert p.n_steps == 3
+    p.check_integrity()
+
+
+def test_prefill_reuses_whole_pages_and_streams_the_cached_part_first():
+    loop, _, p, lin, chunks, _ = prefill()
+    first = req(1, 500)
+    lin.add(1, 0, 0)
+    p.submit(first)
+    loop.run()
+    second = req(1, 530, prefix=500, turn=1)  # extends turn 0's 500-token prompt, which P holds
+    lin.add(1, 1, 500)
+    assert p.hit_for(second) == 496  # 31 whole pages of 16
+    p.submit(second)
+    loop.run()
+    assert chunks[-2:] == [("s1-t1", 0, 496, False), ("s1-t1", 496, 530, True)]
+
+
+def test_engines_on_one_core_slow_each_other_down():
+    loop, host, p, lin, _, done = prefill(host_cores=1.0, step_cores=1.0)
+    d = DecodeInstance(loop, "d0", FLAT, PrefixCache(10**6), 16, True, host, 1.0)
+    r = req(1, 700)
+    lin.add(1, 0, 0)
+    p.submit(r)  # 3 steps of 0.1 s alone
+    other = req(9, 10, output=4)
+    finished = {}
+    seq = Seq(other, 20, 10, 3, True, on_admit=lambda s: None, on_finish=lambda s: finished.setdefault("d", loop.now))
+    d.enqueue(seq)  # 3 decode steps of 0.1 s alone, at the same time
+    loop.run()
+    assert finished["d"] == pytest.approx(0.6) and done["s1-t0"] == pytest.approx(0.6)  # both at half speed
+    assert host.busy_s == pytest.approx(0.6)
+
+
+def test_line_stream_shares_only_while_it_has_bytes():
+    loop, done = EventLoop(), {}
+    line = Line(loop, gbps=8e-6, latency_s=0.0)  # 1,000 bytes/s
+    s = line.open(lambda: done.setdefault("s", loop.now))
+    line.feed(s, 500)  # alone: 0.5 s
+    loop.at(1.0, lambda: line.send(1000, lambda: done.setdefault("t", loop.now)))
+    loop.at(1.0, lambda: line.feed(s, 500, last=True))  # shares with t from 1.0: both at 500 B/s
+    loop.run()
+    assert done["s"] == pytest.approx(2.0)  # its last 500 B at half the line
+    assert done["t"] == pytest.approx(2.5)  # 500 B shared until 2.0, the rest alone
+    assert s.sent == 1000 and line.bytes_sent == 2000
+
+
+def trace_one_session():
+    """History turn at -5, then turns at 0 and 0.2 (think 0.5); 1,600-token contexts."""
+    rows = [(0, -5.0, 0.0, 1500, 100), (1, 0.0, 0.0, 1580, 20), (2, 0.2, 0.5, 1600, 16)]
+    out, prev = [], 0
+    for turn, at, think, prefix, new in rows:
+        out.append(TraceRequest(f"s0-t{turn}", 0, turn, at, think, 0, 1500, 7, min(prefix, 1500 if turn == 0 else prev),
+                                new, min(prefix, 1500 if turn == 0 else prev) + new, 8, 8))
+        prev = out[-1].prompt_tokens + 8
+    return out
+
+
+def test_history_replays_first_then_measured_turns_close_the_loop():
+    hc = HostConfig(cores=2.0, step_cores=1.0, unshaped_gbps=1.0)
+    cfg = ClusterConfig("pd-local", Pool(FLAT, 1), Pool(FLAT, 1), user_lag_s=0.0, host=hc)
+    cl = Cluster(cfg, trace_one_session(), horizon=float("inf"), replay_history=True)
+    done = sorted(cl.run(), key=lambda r: r.turn)
+    t0 = cl.t0
+    assert t0 == pytest.approx(done[0].finish)  # the measured phase opens when history is done
+    assert done[1].arrival == pytest.approx(t0)  # turn 1 at its arrival_s = 0 after t0
+    assert done[2].arrival == pytest.approx(max(t0 + 0.2, done[1].finish + 0.5))  # closed loop
+    assert [r.rid for r in cl.measured()] == ["s0-t1", "s0-t2"]
+    assert done[1].p_hit == 1568  # P holds turn 0's 1,600-token prompt; 1,580 shared -> 98 pages
+    cl.check_integrity()
+
+
+def test_fifo_line_stream_queues_each_feed_behind_earlier_bytes():
+    loop, done = EventLoop(), {}
+    line = Line(loop, gbps=8e-6, latency_s=0.0, sharing="fifo")  # 1,000 bytes/s, one at a time
+    s = line.open(lambda: done.setdefault("s", loop.now))
+    line.feed(s, 500)
+    loop.at(0.2, lambda: line.send(1000, lambda: done.setdefault("t", loop.now)))
+    loop.at(0.3, lambda: line.feed(s, 500, last=True))  # queues behind t
+    loop.run()
+    assert done == pytest.approx({"t": 1.5, "s": 2.0})
+
+
+def kv_import_landing(busy: bool) -> float:
+    """When a 100-token KV push from P lands on a local D that is (or is not) decoding.
+    Chunks of 45 tokens: calls for 45, 45, 10 tokens, then the call that completes it."""
+    hc = HostConfig(cores=2.0, step_cores=1.0, decode_cores=1.0, chunk_bytes=45_000)
+    cfg = ClusterConfig("pd-local", Pool(FLAT, 1), Pool(FLAT, 1), user_lag_s=0.0, host=hc)
+    cl = Cluster(cfg, trace_one_session(), horizon=float("inf"))
+    d = cl.D[0]
+    if busy:  # a sequence decoding 50 tokens: back-to-back 0.1 s steps
+        d.enqueue(Seq(req(5, 10, output=50), 60, 10, 49, True, on_admit=lambda s: None, on_finish=lambda s: None))
+    r = req(1, 100)
+    r.p_inst = cl.P[0]
+    landed = {}
+    stream = KVStream(cl, r, d, cl.fast[0], 0, lambda q: landed.setdefault("t", cl.loop.now))
+    cl.loop.at(0.05, stream.chunk, 0, 100, True)  # mid-step when busy
+    cl.loop.run()
+    return landed["t"]
+
+
+def test_each_kv_chunk_waits_for_the_receivers_step_in_flight():
+    assert kv_import_landing(busy=False) == pytest.approx(0.05)  # idle receiver: calls run at once
+    assert kv_import_landing(busy=True) == pytest.approx(0.4)  # four calls, each after a 0.1 s step
