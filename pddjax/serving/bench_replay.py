@@ -47,6 +47,7 @@ class Record:
     kv_bytes_to_main: int = 0
     kv_to_main_ms: float = 0.0
     handoff_gap_ms: float | None = None
+    explain: str = ""  # the router's decision, as it explained it
     error: str | None = None
 
 
@@ -76,7 +77,7 @@ class Progress:
 
 def _fill(rec: Record, res, times: list, sent: float) -> None:
     """Client-side timings of one finished stream (`times`: (t, tokens, source) per message)."""
-    rec.pipeline, rec.token_ids = res.pipeline, list(res.token_ids)
+    rec.pipeline, rec.token_ids, rec.explain = res.pipeline, list(res.token_ids), res.explain
     rec.relay_tokens, rec.main_tokens = res.sources.count("relay"), res.sources.count("main")
     rec.cached_on_main = int(res.usage.get("cached_on_main", 0))
     rec.cached_on_prefill = int(res.usage.get("cached_on_prefill", 0))
@@ -182,12 +183,13 @@ def replay(router: str, trace, pipeline: str, builder, handoff: str | None, labe
     return records, wall, history
 
 
-def warmup(router: str, pipelines: list[str], vocab: int, prompt_len: int, handoff: str | None) -> None:
+def warmup(router: str, pipelines: list[str], vocab: int, prompt_len: int, handoff: str | None,
+           sessions: int = 2) -> None:
     """Unmeasured requests that compile the step shapes the trace will use (new shapes compile
-    on first use, seconds each on a CPU; the persistent cache makes later stacks fast): two
-    concurrent sessions per pipeline, a cold prompt then a ~95%-hit follow-up, so prefill
-    chunks, decode at batch 1 and 2, and extend passes are seen. Own ids (seeded), so they
-    only add a little to the caches."""
+    on first use, seconds each on a CPU; the persistent cache makes later stacks fast):
+    `sessions` concurrent sessions per pipeline, a cold prompt then a ~95%-hit follow-up, so
+    prefill chunks, decode batches up to `sessions` and extend passes are seen. Own ids
+    (seeded), so they only add a little to the caches."""
     from pddjax.serving.client import Client, make_request
 
     c = Client(router)
@@ -202,7 +204,8 @@ def warmup(router: str, pipelines: list[str], vocab: int, prompt_len: int, hando
 
     try:
         for k, p in enumerate(pipelines):
-            threads = [threading.Thread(target=session, args=(2 * k + j, p), daemon=True) for j in range(2)]
+            threads = [threading.Thread(target=session, args=(sessions * k + j, p), daemon=True)
+                       for j in range(sessions)]
             for t in threads:
                 t.start()
             for t in threads:

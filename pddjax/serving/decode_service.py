@@ -196,7 +196,23 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
         return cluster_pb2.ReserveResponse(cached_tokens=cached)
 
     async def PushKV(self, request_iterator, context):
+        """Chunks are read as they come; imports are coalesced: while one import waits for the
+        engine thread (a step in flight), the chunks that arrive meanwhile are imported together
+        by the next call, so a long push costs a few engine calls, not one per chunk."""
         asm, rid, imported = Assembler(self.engine.fingerprint), None, 0
+        batch: list = []  # KV runs assembled, not yet handed to the engine thread
+        pending = None  # the import in flight (a task)
+
+        async def settle(wait: bool) -> None:
+            nonlocal pending, batch, imported
+            if pending is not None and (wait or pending.done()):
+                ok, pending = await pending, None
+                if not ok:
+                    raise self._gone(rid)  # released while its KV was on the way: dropped
+            if pending is None and batch:
+                imported += sum(r.num_tokens for r in batch)
+                pending, batch = asyncio.ensure_future(self.worker.call(self._import_all, rid, batch)), []
+                pending.add_done_callback(_observed)  # an error after the stream broke is not "never retrieved"
         try:
             async for chunk in request_iterator:
                 rid = rid or chunk.request_id
@@ -205,10 +221,11 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
                     raise self._gone(rid)
                 run = asm.feed(chunk)
                 if run is not None:
-                    if not await self.worker.call(self._import, rid, run):
-                        raise self._gone(rid)  # released while its KV was on the way: dropped
-                    imported += run.num_tokens
+                    batch.append(run)
+                await settle(wait=False)
                 if chunk.last:
+                    await settle(wait=True)
+                    await settle(wait=True)  # the runs that queued behind the last import
                     if not await self.worker.call(self._kv_complete, rid, list(chunk.known_tokens)):
                         raise self._gone(rid)
                     return cluster_pb2.PushKVResponse(tokens_imported=imported, bytes_received=asm.bytes, chunks=asm.next_seq)
@@ -225,12 +242,13 @@ class DecodeService(EngineRpcs, cluster_pb2_grpc.DecodeServicer):
             return WireError("ABORTED", f"request {rid} was released on {self.role}; its KV is dropped")
         return WireError("NOT_FOUND", f"request {rid} is not reserved on {self.role}")
 
-    def _import(self, e, rid, run) -> bool:
-        """Engine thread: write a KV piece if the request is still open here (else drop it)."""
+    def _import_all(self, e, rid, runs) -> bool:
+        """Engine thread: write KV pieces (in order) if the request is still open here (else drop them)."""
         slot = self.slots.get(rid)
         if slot is None or slot.closed or rid not in e.seqs:
             return False
-        e.import_kv(rid, run)
+        for run in runs:
+            e.import_kv(rid, run)
         return True
 
     def _fail(self, e, rid, code, message):
@@ -433,3 +451,8 @@ def _resume(e, rid):
     seq = e.seqs.get(rid)
     if seq is not None:
         seq.paused = False
+
+
+def _observed(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()

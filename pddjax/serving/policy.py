@@ -122,7 +122,9 @@ class Ewma:
 class LinkEstimator:
     """Throughput and latency of one A -> B link from completed transfers, plus its queue.
 
-    A transfer of `bytes` that took `seconds` (first chunk to acknowledgement) is read as
+    A transfer of `bytes` that took `seconds` on the wire (P's TransferDone.wire_ms: the push's
+    time without the time it waited on P's own prefill, so a slow prefill is not read as a slow
+    line) is read as
     latency + bytes / throughput: transfers under `min_bytes` only update the latency,
     larger ones the throughput (after subtracting the latency estimate)."""
 

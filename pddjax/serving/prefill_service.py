@@ -141,11 +141,14 @@ class PrefillService(EngineRpcs, cluster_pb2_grpc.PrefillServicer):
         chunker = kvwire.Chunker(rid, start, end, chunk_bytes)
 
         clock = _PushClock()
+        waited = [0.0]  # seconds the push waited on P's own prefill (not the link)
 
         async def stream():
             while chunker.next_pos < end:
                 clock.waiting = True  # on this P's own prefill: not a stall of the link
+                w0 = time.perf_counter()
                 run, first = await q.get()
+                waited[0] += time.perf_counter() - w0
                 clock.touch()
                 known = [first] if first is not None and target.include_first_token else []
                 for c in chunker.feed(run, known):
@@ -170,6 +173,7 @@ class PrefillService(EngineRpcs, cluster_pb2_grpc.PrefillServicer):
         finally:
             watch.cancel()
         done.bytes, done.chunks, done.ms = chunker.bytes, chunker.seq, 1e3 * (time.perf_counter() - t0)
+        done.wire_ms = max(0.0, done.ms - 1e3 * waited[0])
         return done
 
     async def Release(self, request, context):

@@ -34,7 +34,7 @@ class Transfers:
                         d = ev.transfer_done
                         self.m.wan_bytes(d.bytes)
                         ok = not d.code
-                        link.done(planned, d.bytes, d.ms / 1e3, ok)
+                        link.done(planned, d.bytes, (d.wire_ms or d.ms) / 1e3, ok)
                         planned = 0
             except grpc.aio.AioRpcError:
                 pass
@@ -69,7 +69,7 @@ class Transfers:
                         st.bytes_md, st.md_ms = d.bytes, d.ms
                         self.m.wan_bytes(d.bytes)
                         if st.link is not None:
-                            st.link.done(st.planned, d.bytes, d.ms / 1e3, ok=not err)
+                            st.link.done(st.planned, d.bytes, (d.wire_ms or d.ms) / 1e3, ok=not err)
                             st.link_done = True
                         router_recovery.main_transfer(self, md, st, err and err.code, d.error)
                         if err and pipeline == P.PIPELINE_PD_CROSS:

@@ -60,11 +60,14 @@ class WanEmulator:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for t in list(self._tasks):
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
         for cw, tw in list(self._conns):
             _abort(cw)
             _abort(tw)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0)  # let each connection's handler see its pipes end
 
     def set_profile(self, profile: LinkProfile, direction: str | None = None) -> None:
         """New shaping for one or both directions (byte counts are kept)."""
