@@ -69,7 +69,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def _pin_cpus() -> None:
+    """PDDJAX_CPUS="0,1": run this service on those CPUs only (set before JAX starts, so XLA's
+    thread pool is sized to them). `bench serve` gives each emulated datacenter its own cores."""
+    spec = os.environ.get("PDDJAX_CPUS", "").strip()
+    if not spec:
+        return
+    try:
+        os.sched_setaffinity(0, {int(c) for c in spec.split(",")})
+    except (ValueError, OSError) as e:
+        raise UserError(f"cannot pin to CPUs {spec!r} (PDDJAX_CPUS): {e}") from None
+
+
 def run_serve(args) -> int:
+    _pin_cpus()
     apply_security_flags(args)
     from pddjax.serving.config import read_file, service_config
     from pddjax.serving.server import serve

@@ -98,3 +98,21 @@ def test_drc_target_counts_kv_the_requests_put_on_the_line():
     assert t["wan_kv_drc_off_over_on"] == {"value": 10.0, "target": ">= 5", "met": True}  # r1 only: 100 / 10
     assert t["wan_kv_all_requests_drc_off_over_on"]["value"] == 10.0  # 200 / 20
     assert t["wan_bytes_delivered_drc_off_over_on"]["value"] == 1.2
+
+
+def test_prefill_gets_its_own_cpus():
+    """bench serve pins P to its own cores and the decoders (RLD, MD) to the rest; a service
+    started with PDDJAX_CPUS runs on exactly those (set before JAX starts)."""
+    import os
+
+    cpus = bs.cluster_cpus()
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) >= 2:
+        assert not set(cpus["prefill"]) & (set(cpus["relay"]) | set(cpus["main"]))
+        assert sorted(set(cpus["prefill"] + cpus["relay"] + cpus["main"])) == mine
+    else:
+        assert cpus == {}
+    code = "import os; from pddjax.serve_cli import _pin_cpus; _pin_cpus(); print(sorted(os.sched_getaffinity(0)))"
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PDDJAX_CPUS": str(mine[0])},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == f"[{mine[0]}]", p.stderr

@@ -10,7 +10,7 @@ from pddjax.sim.config import ClusterConfig, HostConfig, Pool
 from pddjax.sim.decode import DecodeInstance, Seq
 from pddjax.sim.engine_prefill import EnginePrefill
 from pddjax.sim.engine_steps import StepModel, kv_slots
-from pddjax.sim.events import EventLoop
+from pddjax.sim.events import EventLoop, SimError
 from pddjax.sim.host import Host
 from pddjax.sim.lineage import Lineage
 from pddjax.sim.measured import MeasuredInstance
@@ -174,24 +174,142 @@ def test_fifo_line_stream_queues_each_feed_behind_earlier_bytes():
     assert done == pytest.approx({"t": 1.5, "s": 2.0})
 
 
-def kv_import_landing(busy: bool) -> float:
-    """When a 100-token KV push from P lands on a local D that is (or is not) decoding.
-    Chunks of 45 tokens: calls for 45, 45, 10 tokens, then the call that completes it."""
+def kv_import_landing(busy: bool, tokens: int = 100) -> float:
+    """When a KV push of `tokens` from P lands on a local D that is (or is not) decoding.
+    Chunks of 45 tokens arrive at once: the first is imported by one call, the rest, which
+    arrived while that call waited, by the next call together, then the call that completes it."""
     hc = HostConfig(cores=2.0, step_cores=1.0, decode_cores=1.0, chunk_bytes=45_000)
     cfg = ClusterConfig("pd-local", Pool(FLAT, 1), Pool(FLAT, 1), user_lag_s=0.0, host=hc)
     cl = Cluster(cfg, trace_one_session(), horizon=float("inf"))
     d = cl.D[0]
     if busy:  # a sequence decoding 50 tokens: back-to-back 0.1 s steps
         d.enqueue(Seq(req(5, 10, output=50), 60, 10, 49, True, on_admit=lambda s: None, on_finish=lambda s: None))
-    r = req(1, 100)
+    r = req(1, tokens)
     r.p_inst = cl.P[0]
     landed = {}
     stream = KVStream(cl, r, d, cl.fast[0], 0, lambda q: landed.setdefault("t", cl.loop.now))
-    cl.loop.at(0.05, stream.chunk, 0, 100, True)  # mid-step when busy
+    cl.loop.at(0.05, stream.chunk, 0, tokens, True)  # mid-step when busy
     cl.loop.run()
     return landed["t"]
 
 
-def test_each_kv_chunk_waits_for_the_receivers_step_in_flight():
+def test_kv_imports_are_coalesced_while_the_receiver_steps():
     assert kv_import_landing(busy=False) == pytest.approx(0.05)  # idle receiver: calls run at once
-    assert kv_import_landing(busy=True) == pytest.approx(0.4)  # four calls, each after a 0.1 s step
+    assert kv_import_landing(busy=True) == pytest.approx(0.3)  # three calls, each after a 0.1 s step
+    assert kv_import_landing(busy=True, tokens=1000) == pytest.approx(0.3)  # 23 chunks, still three calls
+
+
+@pytest.mark.parametrize("mode", ["pd-local", "pdd"])
+def test_a_tier_in_a_receives_only_what_its_own_cache_lacks(mode):
+    """Turn 0 (1,600 tokens + 8 out) is cached where it was decoded (local D, or RLD, which
+    caches what it served); turn 1 shares 1,580 tokens with it: P sends from 1,568 (whole pages)."""
+    hc = HostConfig(cores=2.0, step_cores=1.0, unshaped_gbps=1.0)
+    extra = {"rld": Pool(FLAT, 1), "rld_threshold_s": 0.0, "rld_normal_path": True} if mode == "pdd" else {}
+    cfg = ClusterConfig(mode, Pool(FLAT, 1), Pool(FLAT, 1), user_lag_s=0.0, host=hc, **extra)
+    cl = Cluster(cfg, trace_one_session(), horizon=float("inf"), replay_history=True)
+    done = sorted(cl.run(), key=lambda r: r.turn)
+    cl.check_integrity()
+    assert [r.pipeline for r in done] == ["P-D"] * 3 if mode == "pd-local" else ["P-RLD"] * 3
+    assert [r.streams[0].start for r in done] == [0, 1568, 1600]  # turn 2 shares 1,600 of turn 1's 1,608
+    assert [r.streams[0].tokens for r in done] == [1600, 32, 16]
+
+
+def wan_push_seconds(timing: str) -> float:
+    """The link sample of a 900-token push that P exports in three pieces 1 s apart on a line
+    that carries 600 tokens per second: each piece leaves in 0.5 s and the last is delivered
+    at 2.5 s; 'wire' leaves out the 2 x 0.5 s its sender had nothing to send (waited for P)."""
+    hc = HostConfig(cores=8.0, step_cores=1.0, push_window_bytes=0.0)
+    cfg = ClusterConfig("pd-cross", Pool(FLAT, 1), Pool(FLAT, 1), wan_gbps=600 * 1000 * 8 / 1e9, wan_latency_s=0.0,
+                        wan_jitter_s=0.0, wan_sharing="fifo", link_timing=timing, host=hc)
+    cl = Cluster(cfg, trace_one_session(), horizon=float("inf"))
+    r = req(1, 900)
+    r.p_inst = cl.P[0]
+    samples = []
+
+    class Estimator:
+        def start(self, nbytes): pass
+
+        def done(self, planned, nbytes, seconds, ok=True):
+            samples.append(seconds)
+
+    stream = KVStream(cl, r, cl.D[0], cl.wan, 0, lambda q: None, estimator=Estimator())
+    for i in range(3):
+        cl.loop.at(float(i), stream.chunk, 300 * i, 300 * (i + 1), i == 2)
+    cl.loop.run()
+    return samples[0]
+
+
+def test_link_samples_leave_out_the_wait_on_p_with_wire_timing():
+    assert wan_push_seconds("admission") == pytest.approx(2.5)
+    assert wan_push_seconds("wire") == pytest.approx(1.5)
+
+
+def test_md_full_of_transfers_in_flight_sends_the_request_pd_local():
+    """MD's pool holds 2,048 tokens; Reserve takes a request's pages (1,000 + 100) before its
+    KV crosses a slow line, so a second request sent meanwhile finds MD full: P -> RLD only."""
+    hc = HostConfig(cores=4.0, step_cores=1.0, kv_pages=128)
+    cfg = ClusterConfig("pdd", Pool(FLAT, 1), Pool(FLAT, 1), rld=Pool(FLAT, 1), wan_gbps=0.01, wan_latency_s=0.0,
+                        wan_jitter_s=0.0, rld_threshold_s=0.0, filter_cap=0.0, user_lag_s=0.0, host=hc)
+    trace = [TraceRequest(f"s{i}-t0", i, 0, 0.01 * i, 0.0, i, 0, 1, 0, 1000, 1000, 100, 100) for i in range(2)]
+    cl = Cluster(cfg, trace, horizon=float("inf"))
+    done = {r.rid: r for r in cl.run()}
+    cl.check_integrity()
+    assert done["s0-t0"].pipeline in ("P-RLD-MD", "P-RLD*")
+    assert done["s1-t0"].pipeline == "P-RLD"
+    assert cl.router.reasons.get("main-full") == 1
+    assert cl.D[0].committed == 0  # every reservation was handed to MD's pool accounting
+
+
+def test_p_keeps_a_prompt_leased_until_its_pushes_are_acknowledged():
+    """A leased cache entry serves lookups but is not evicted; reservations cannot take its
+    tokens; after `unlease` it is an ordinary LRU entry again."""
+    c = PrefixCache(100)
+    c.insert(("s", 1), 60, 0)
+    c.lease(("s", 1))
+    c.insert(("s", 2), 30, 0)
+    assert not c.can_reserve(50)  # 60 leased + 50 > 100
+    assert c.reserve(40)  # evicts session 2 (30 tokens), not the leased session 1
+    assert c.get(("s", 1)).tokens == 60 and c.get(("s", 2)) is None
+    c.release(40)
+    c.unlease(("s", 1))
+    assert c.reserve(50) and c.get(("s", 1)) is None  # now evictable
+    c.check_integrity()
+    with pytest.raises(SimError):
+        c.unlease(("s", 1))
+
+
+def test_prefill_lease_ends_when_the_last_push_lands():
+    """pd-cross over a slow line: P's entry for the prompt stays leased until MD has the KV."""
+    hc = HostConfig(cores=4.0, step_cores=1.0)
+    cfg = ClusterConfig("pd-cross", Pool(FLAT, 1), Pool(FLAT, 1), wan_gbps=0.0005, wan_latency_s=0.0,
+                        wan_jitter_s=0.0, user_lag_s=0.0, host=hc)
+    trace = [TraceRequest("s0-t0", 0, 0, 0.0, 0.0, 0, 0, 1, 0, 100, 100, 4, 4)]  # 100 KB: 1.6 s on the line
+    cl = Cluster(cfg, trace, horizon=float("inf"))
+    p, seen = cl.P[0], []
+    cl.loop.at(0.5, lambda: seen.append(set(p.leases)))  # prefill done (~0.1 s), KV on the line
+    cl.run()
+    assert seen == [{"s0-t0"}] and p.leases == set()
+    assert p.cache.leased() == 0
+
+
+@pytest.mark.parametrize("key", [(1, 1, 64, 1), (4, 4, 128, 1), (16, 2, 128, 8), (128, 8, 8, 64), (256, 2, 64, 256),
+                                 (256, 4, 128, 128), (32, 4, 128, 16), (8, 2, 8, 4)])
+def test_step_table_rows_have_exactly_the_shape_measured(key):
+    from pddjax.sim.engine_steps import pow2, table_width
+    from pddjax.sim.step_table import rows_for
+
+    rows = rows_for(key)
+    tokens = min(256, sum(n for _, n in rows))  # the engine's step budget
+    assert (pow2(tokens), pow2(len(rows)), table_width(max(e for e, _ in rows), 16), pow2(max(n for _, n in rows))) == key
+
+
+def test_step_model_uses_measured_shapes_and_scales_the_formula_elsewhere():
+    prof = {"decode_ms": {"1": 40, "8": 120}, "extend_ms": {"1": 45, "16": 70, "64": 180},
+            "prefill_tokens_per_s": 500, "context": 256, "page_size": 16}
+    plain = StepModel(MeasuredInstance.from_json(prof))
+    f64 = plain.step_s(chunks=[(64, 256 + 64)])  # shape (64, 1, 24, 64)
+    table = StepModel(MeasuredInstance.from_json({**prof, "step_table": [[64, 1, 24, 64, 1e3 * 2 * f64]]}))
+    assert table.step_s(chunks=[(60, 256 + 64)]) == pytest.approx(2 * f64)  # same bucketed shape: measured
+    assert table.step_s(decode_rows=8, decode_kv=272) == pytest.approx(2 * plain.step_s(decode_rows=8, decode_kv=272))
+    with pytest.raises(ValueError, match="step_table"):
+        MeasuredInstance.from_json({**prof, "step_table": [[64, 1, 24]]})

@@ -46,6 +46,7 @@ class Record:
     cached_on_prefill: int = 0
     kv_bytes_to_main: int = 0
     kv_to_main_ms: float = 0.0
+    prefill_ms: float = 0.0  # P's Prefill call -> its first token (queue + prefill), as P reports it
     handoff_gap_ms: float | None = None
     explain: str = ""  # the router's decision, as it explained it
     error: str | None = None
@@ -83,6 +84,7 @@ def _fill(rec: Record, res, times: list, sent: float) -> None:
     rec.cached_on_prefill = int(res.usage.get("cached_on_prefill", 0))
     rec.kv_bytes_to_main = int(res.usage.get("kv_bytes_to_main", 0))
     rec.kv_to_main_ms = float(res.timings.get("kv_to_main_ms", 0.0))
+    rec.prefill_ms = float(res.timings.get("prefill_ms", 0.0))
     if not times:
         return
     first, last = times[0][0], times[-1][0]
@@ -198,7 +200,7 @@ def warmup(router: str, pipelines: list[str], vocab: int, prompt_len: int, hando
         rng = np.random.default_rng([12345, i])
         ids = rng.integers(16, vocab, prompt_len).tolist()
         for turn in range(2):
-            r = c.generate(make_request(ids, max_tokens=32, pipeline=p, handoff=handoff, ignore_eos=True,
+            r = c.generate(make_request(ids, max_tokens=16, pipeline=p, handoff=handoff, ignore_eos=True,
                                         request_id=f"warmup-{p}-{i}-{turn}"), timeout=900)
             ids = ids + r.token_ids + rng.integers(16, vocab, max(1, prompt_len // 20)).tolist()
 

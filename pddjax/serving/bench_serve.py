@@ -1,7 +1,8 @@
 """`pddjax bench serve`: the same agentic trace through PDD and its baselines, side by side.
 
 Modes (each on a fresh stack: P, RLD, MD and the router as processes, MD behind the same
-emulated WAN `WanLink`, so every mode starts with cold caches):
+emulated WAN `WanLink`, so every mode starts with cold caches; P gets its own cores and the
+decoders the rest (`cluster_cpus`), `--no-pin` to share them):
   pdd          the router's `auto` (P-MD for high hit, P-RLD-MD otherwise, the singular filter)
   pd-cross     every request P-MD, same DRC: the difference to pdd is RLD's latency masking
   pd-local     every request P-RLD: the same-datacenter floor (no WAN on the token path)
@@ -47,7 +48,7 @@ WAN_DEFAULTS = {"mbps": 20.0, "latency_ms": 20.0, "jitter_ms": 5.0, "jitter_dist
 def register(bsub) -> None:
     p = bsub.add_parser("serve", help="replay an agentic trace through pdd, pd-cross, pd-local (+ DRC off)")
     p.add_argument("--json", required=True, help="write the figures to this file")
-    p.add_argument("--quick", action="store_true", help="a short trace (seed 0: 7 sessions, 24 measured requests after 11 history turns)")
+    p.add_argument("--quick", action="store_true", help="a short trace (seed 0: 7 sessions, 22 measured requests after 13 history turns)")
     p.add_argument("--trace", help="replay this JSONL trace instead of generating one")
     p.add_argument("--save-trace", help="also write the trace used to this JSONL file")
     p.add_argument("--plots", help="write PNG plots to this folder (needs matplotlib: the `plots` extra)")
@@ -64,20 +65,22 @@ def register(bsub) -> None:
                    choices=["normal", "uniform", "exponential", "pareto"])
     p.add_argument("--num-pages", type=int, help="KV pages per engine (default: 1024, tiny model 512)")
     p.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up requests")
+    p.add_argument("--no-pin", action="store_true",
+                   help="do not pin services to cores (default: P on its own cores, RLD and MD on the rest)")
     p.set_defaults(func=run)
 
 
 # ---- the trace -------------------------------------------------------------------------
 def bench_workload(quick: bool, seed: int, duration: float | None, model_config):
     """The generated workload: 1K-token contexts over 2 shared docs, short heavy-tailed outputs
-    (median 32), the default hit mixture, sessions also in progress before t=0 (15 s of
+    (median 24), the default hit mixture, sessions also in progress before t=0 (15 s of
     history, replayed unmeasured to warm the caches: the report's steady state).
-    --quick: 20 s of session starts at 0.15/s (seed 0: 24 measured requests in 7 sessions,
-    mean hit 0.88, 79% above 95%, plus 11 history turns); else 120 s at 0.1/s.
+    --quick: 20 s of session starts at 0.15/s (seed 0: 22 measured requests in 7 sessions,
+    mean hit 0.87, 73% above 95%, plus 13 history turns); else 120 s at 0.1/s.
     Shrunk to fit a small model's context (the tiny test model)."""
     from pddjax.workload import PRESETS
 
-    cfg = dataclasses.replace(PRESETS["quick"], seed=seed, context_tokens=1024, output_median=32, output_max=160,
+    cfg = dataclasses.replace(PRESETS["quick"], seed=seed, context_tokens=1024, output_median=24, output_max=160,
                               n_docs=2, think_mean_s=1.0, turns_mean=5.0, turns_max=8, warm_start_s=15.0,
                               session_rate=0.15 if quick else 0.1, duration_s=duration or (20.0 if quick else 120.0))
     ctx = model_config.max_context
@@ -115,19 +118,39 @@ class LinkThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+def cluster_cpus() -> dict[str, list[int]]:
+    """Cores per service, as on separate accelerators: P gets its own (a P instance is its own
+    GPU in the report, and TTFT is mostly P's prefill), the decoders get the rest: with 3+ CPUs
+    RLD and MD get a third each (MD's own cores are its own datacenter); with 2, RLD and MD share
+    the second core (they overlap only until a handoff). The router and this process (client
+    threads, the WAN emulator) float: on 2 CPUs, putting them on the decoders' core overloaded
+    it (TTFT P99 of every mode +50-200%). Unpinned, every service's work slows
+    every other's on one host, which no real deployment sees. One CPU: nothing pinned."""
+    cpus = sorted(os.sched_getaffinity(0))
+    n = len(cpus)
+    if n < 2:
+        return {}
+    if n == 2:
+        return {"prefill": cpus[:1], "relay": cpus[1:], "main": cpus[1:]}
+    k = n // 3
+    return {"prefill": cpus[: n - 2 * k], "relay": cpus[n - 2 * k: n - k], "main": cpus[n - k:]}
+
+
 class BenchStack:
     """P, RLD, MD, router as `pddjax serve` processes; P and RLD reach MD through the WAN link."""
 
-    def __init__(self, stack: dict, workdir: str, timeout: float = 600.0):
+    def __init__(self, stack: dict, workdir: str, timeout: float = 600.0, pin: bool = True):
         from pddjax.serving.up import spawn, wait_ready, write_json
 
-        self.children, self.link, self.router_child, self.workdir = [], None, None, workdir
+        self.children, self.link, self.router_child, self.workdir, self.cpus = [], None, None, workdir, {}
         self.timeout = timeout
         self.log = open(os.path.join(workdir, "services.log"), "ab")
         try:
             cfg = os.path.join(workdir, "stack.json")
             write_json(cfg, stack)
-            self.children = [spawn(r, cfg, workdir, log=self.log) for r in ("prefill", "relay", "main")]
+            self.cpus = cluster_cpus() if pin else {}
+            self.children = [spawn(r, cfg, workdir, log=self.log, cpus=self.cpus.get(r))
+                             for r in ("prefill", "relay", "main")]
             asyncio.run(wait_ready(self.children, timeout))
             addr = {c.role: c.address for c in self.children}
             self.link = LinkThread(addr["main"], stack.get("wan", {}))
@@ -367,6 +390,7 @@ def run(args) -> int:
     def build_result() -> dict:
         result = {
             "version": 1, "model": args.model, "quick": bool(args.quick), "handoff": args.handoff or "router default",
+            "cpus": None if args.no_pin else cluster_cpus(),  # per service; the router and the WAN link float
             "wan": stack_config(args, mcfg, True)["wan"],
             "kv_bytes_per_token": mcfg.kv_bytes_per_token,
             "trace": {"path": args.trace, "seed": trace_seed, "config": config_dict(wcfg) if wcfg else None, **summary},
@@ -379,6 +403,7 @@ def run(args) -> int:
                                    "ttft_ms": None if math.isnan(r.ttft_ms) else round(r.ttft_ms, 2),
                                    "cached_on_main": r.cached_on_main, "prompt_tokens": r.prompt_tokens,
                                    "relay_tokens": r.relay_tokens, "main_tokens": r.main_tokens, "explain": r.explain,
+                                   "send_s": round(r.send_s, 3), "prefill_ms": round(r.prefill_ms, 1),
                                    "error": r.error}
                                   for r in recs] for m, recs in per_mode.items()}
         return result
@@ -388,7 +413,7 @@ def run(args) -> int:
         stack_cfg = stack_config(args, mcfg, drc=(mode != "pdd-drc-off"))
         t0 = time.monotonic()
         print(f"{mode}: starting the stack", file=sys.stderr, flush=True)
-        stack = BenchStack(stack_cfg, workdir)
+        stack = BenchStack(stack_cfg, workdir, pin=not args.no_pin)
         link = stack.link.link
         shaped = (link.mbps, link.latency_ms)
         counters: dict = {}
@@ -405,10 +430,10 @@ def run(args) -> int:
             link.mbps, link.latency_ms = 0.0, 0.0  # warm-up and history on an unshaped line
             if not args.no_warmup:
                 pipes = ["pdd"] if MODES[mode] == "auto" else [MODES[mode]]  # pdd exercises P, RLD, MD
-                # the first stack compiles (4 sessions: decode batches 1-4 too); later ones find
-                # the executables in the persistent cache
+                # the first stack compiles (3 sessions: decode batch buckets 1, 2 and 4); later
+                # ones find the executables in the persistent cache
                 warmup(stack.router, pipes, mcfg.vocab_size, prompt_len, _req_handoff(args.handoff),
-                       sessions=4 if mode == modes[0] else 2)
+                       sessions=3 if mode == modes[0] else 2)
             builder = TokenBuilder(trace_seed, mcfg.vocab_size)
             t_hist = time.monotonic()
             records, wall, history = replay(stack.router, trace, MODES[mode], builder, _req_handoff(args.handoff),

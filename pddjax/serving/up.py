@@ -36,11 +36,15 @@ class Child:
         self.metrics: str | None = None  # its Prometheus endpoint (from the ready file)
 
 
-def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, name: str | None = None) -> Child:
+def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, name: str | None = None,
+          cpus: list[int] | None = None) -> Child:
+    """Start `pddjax serve ROLE` (pinned to `cpus` if given); its address comes via the ready file."""
     ready = os.path.join(workdir, f"{name or role}.ready.json")
     cmd = [sys.executable, "-m", "pddjax", "serve", role, "--config", config_path, "--port", str(port),
            "--ready-file", ready]
     env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
+    if cpus:
+        env["PDDJAX_CPUS"] = ",".join(map(str, cpus))
     proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=log or None, env=env)
     return Child(role, proc, ready)
 

@@ -4,7 +4,9 @@ Models both P's prefix cache and MD's Decode-side RadixCache (DRC) at the granul
 simulator needs: one entry per session (its latest sequence) and one per shared doc, each
 with a token length. The pool holds `capacity` tokens; `reserved` of them belong to running
 requests (and pinned entries) and can never be evicted; cached entries fill the rest and are
-evicted least-recently-used first when a reservation or insertion needs room.
+evicted least-recently-used first when a reservation or insertion needs room. A *leased*
+entry (`lease` / `unlease`: P holds a prompt's pages until its KV pushes are acknowledged,
+while its cache already serves the prompt) stays visible to lookups but is not evicted.
 
 Invariant (checked by `check_integrity`): reserved + cached <= capacity.
 """
@@ -34,6 +36,7 @@ class PrefixCache:
         self._entries: OrderedDict[Hashable, Entry] = OrderedDict()  # oldest first
         self.evictions = 0
         self.peak = 0
+        self._leases: dict[Hashable, int] = {}  # key -> leases held on its entry
 
     # ---- queries (do not modify the cache) -------------------------------------------
     def get(self, key: Hashable) -> Entry | None:
@@ -44,9 +47,13 @@ class PrefixCache:
         """Tokens not reserved and not cached."""
         return self.capacity - self.reserved - self.cached
 
+    def leased(self) -> int:
+        """Tokens of cached entries that are leased (cannot be evicted now)."""
+        return sum(self._entries[k].tokens for k in self._leases if k in self._entries)
+
     def can_reserve(self, n: int) -> bool:
-        """Whether `reserve(n)` would succeed (evicting cached entries if needed)."""
-        return self.reserved + n <= self.capacity
+        """Whether `reserve(n)` would succeed (evicting unleased cached entries if needed)."""
+        return self.reserved + self.leased() + n <= self.capacity
 
     # ---- mutations -------------------------------------------------------------------
     def touch(self, key: Hashable) -> None:
@@ -70,6 +77,19 @@ class PrefixCache:
         self._note_peak()
         return True
 
+    def lease(self, key: Hashable) -> None:
+        """Keep `key`'s entry (and what later replaces it) from eviction until `unlease`."""
+        self._leases[key] = self._leases.get(key, 0) + 1
+
+    def unlease(self, key: Hashable) -> None:
+        n = self._leases.get(key, 0) - 1
+        if n < 0:
+            raise SimError(f"unlease of {key!r}, which holds no lease")
+        if n:
+            self._leases[key] = n
+        else:
+            del self._leases[key]
+
     def release(self, n: int) -> None:
         if n > self.reserved:
             raise SimError(f"releasing {n} tokens but only {self.reserved} reserved")
@@ -80,7 +100,7 @@ class PrefixCache:
         old = self._entries.pop(key, None)
         if old is not None:
             self.cached -= old.tokens
-        if tokens <= 0 or self.reserved + tokens > self.capacity:
+        if tokens <= 0 or self.reserved + self.leased() + tokens > self.capacity:
             return False
         self._evict_until(tokens)
         self._entries[key] = Entry(tokens, turn)
@@ -89,9 +109,10 @@ class PrefixCache:
         return True
 
     def _evict_until(self, n: int) -> None:
-        while self.free() < n and self._entries:
-            _, e = self._entries.popitem(last=False)
-            self.cached -= e.tokens
+        for key in [k for k in self._entries if k not in self._leases]:  # oldest first
+            if self.free() >= n:
+                return
+            self.cached -= self._entries.pop(key).tokens
             self.evictions += 1
 
     def _note_peak(self) -> None:

@@ -8,7 +8,10 @@ Measures on this machine, with the paged engine and the real KV wire code:
   decode steps of 1, 4 and 8 rows at ~130 and ~1,000 tokens (`_fit_context`), the steps
   of all setups timed in turn so that load from other processes hits them alike;
 - `step_cores`, `decode_cores`: the cores a prefill chunk and a decode step keep busy alone,
-  as their speedup from one core to all (timed pinned to one core and unpinned, in turn);
+  as their speedup from one core to all (timed pinned to one core and unpinned, in turn; a
+  proxy: `python -m pddjax.sim.contention` measures them as the host model uses them);
+- a check, not a fit (`check_ms`): a two-row step (216 + 40 tokens after 768 / 896 cached)
+  against the formula's prediction from the other setups;
 - `export_us_per_token` (P: gather the KV out of the pool), `serialize_us_per_token` (cut it
   into KVChunks + protobuf), `import_us_per_token` (parse, check, write into a pool), per
   token of SmolLM2-135M float32 KV, from 1,024-token runs.
@@ -63,6 +66,8 @@ def load(path: str) -> dict:
             if not isinstance(obj[k], (int, float)) or obj[k] < 0:
                 raise ValueError(f"calibration {k!r} must be a number >= 0")
             out[k] = float(obj[k])
+    if "step_table" in obj:  # measured step shapes (step_table.py); checked by MeasuredInstance
+        out["step_table"] = obj["step_table"]
     if min(out["cores"], out["step_cores"], out["decode_cores"]) <= 0:
         raise ValueError("calibration cores, step_cores and decode_cores must be positive")
     return out
@@ -73,6 +78,8 @@ def profile(engine_json: dict, cal: dict) -> MeasuredInstance:
     obj = {"kv_bytes_per_token": 46_080.0, **engine_json}  # `bench engine` profiles of SmolLM2-135M f32
     for k in ("attention_ns_per_pair", "gather_ns_per_slot", "gather_far_ns_per_slot"):
         obj.setdefault(k, cal[k])
+    if cal.get("step_table"):
+        obj["step_table"] = cal["step_table"]
     return MeasuredInstance.from_json(obj)
 
 
@@ -117,7 +124,7 @@ def _setup(model, kind: str, rows: int, ctx: int, seed: int):
     pages = 8 + rows * (-(-(ctx + 320) // 16)) * (2 if kind == "chunk" else 1) + (200 if kind == "mixed" else 0)
     eng = PagedEngine(mcfg, model.weights, model.fingerprint,
                       EngineConfig(dtype="float32", page_size=16, num_pages=pages, attention="xla",
-                                   max_step_tokens=256, max_rows=16, prefix_cache=kind == "chunk"))
+                                   max_step_tokens=256, max_rows=16, prefix_cache=kind in ("chunk", "mixed")))
     if kind in ("chunk", "mixed"):
         # chunk: one row of 256 after ctx cached tokens; mixed: that row cut to 216 plus a
         # 40-token row after ctx + 128 cached tokens (B = 2: the padded attention doubles)
@@ -133,6 +140,10 @@ def _setup(model, kind: str, rows: int, ctx: int, seed: int):
         def step():
             for i, pr in enumerate(prompts):
                 eng.add(f"c{i}", pr, g, 1, (), hold_on_finish=True)
+            pending = [eng.seqs[f"c{i}"].num_pending for i in range(len(prompts))]
+            if pending != [n for _, n in rows_]:  # the step must be the shape named, or the fit is wrong
+                raise RuntimeError(f"calibration setup {kind} ctx {ctx}: rows pending {pending}, "
+                                   f"wanted {[n for _, n in rows_]}")
             t0 = time.perf_counter()
             eng.step()
             dt = time.perf_counter() - t0

@@ -149,7 +149,8 @@ class Cluster:
                     self._schedule(turns[0], 0.0)
             self.loop.run()
             self.t0 = self.loop.now
-            self.shapes_before = {i.name: set(self._steps(i).shapes) for i in [*self.P, *self.D, *self.R]}
+            self.shapes_before = {i.name: set(self.step_model(i).shapes) for i in [*self.P, *self.D, *self.R]}
+            self.router.restart()  # bench serve restarts the router: fresh link estimates
             self.wan.set_rate(cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s)
             self.back.set_rate(cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s)
         for sid, turns in self.sessions.items():
@@ -162,14 +163,14 @@ class Cluster:
         return self.done
 
     @staticmethod
-    def _steps(inst):
+    def step_model(inst):
         return getattr(inst, "steps", None) if isinstance(inst, EnginePrefill) else inst.steps_model
 
     def new_shapes(self) -> dict[str, int]:
         """Per engine: step shapes first used in the measured phase (each a compile in a fresh
         engine whose warm-up did not run it). Needs a host; replayed history is the warm-up."""
         before = getattr(self, "shapes_before", {})
-        return {i.name: len(set(self._steps(i).shapes) - before.get(i.name, set()))
+        return {i.name: len(set(self.step_model(i).shapes) - before.get(i.name, set()))
                 for i in [*self.P, *self.D, *self.R]}
 
     def measured(self) -> list[SimRequest]:
@@ -236,7 +237,18 @@ class Cluster:
             self.cache_on_md(req, inst, req.prompt + req.output)
         else:
             req.rld_tokens, req.rld_last = req.output, self.loop.now
+            self.cache_on_rld(req, req.prompt + req.output)
         self.complete(req)
+
+    def own_hit(self, req: SimRequest, inst: DecodeInstance) -> int:
+        """What a tier in A already holds of the prompt (whole pages, >= 1 token left to send)."""
+        S = self.cfg.host.page_size
+        return min(self.lineage.cached_hit(inst.cache, req) // S * S, (req.prompt - 1) // S * S)
+
+    def cache_on_rld(self, req: SimRequest, tokens: int) -> None:
+        """RLD releases a request with cache=True: its engine caches what it computed (host only)."""
+        if self.cfg.host is not None and req.rld_inst is not None and tokens > 0:
+            req.rld_inst.cache.insert(("s", req.sid), tokens, req.turn)
 
     def cache_on_md(self, req: SimRequest, inst: DecodeInstance, tokens: int) -> None:
         if not self.cfg.drc:

@@ -56,6 +56,7 @@ class HostConfig:
     serialize_s_per_token: float = 0.0  # P, beside the engine (one core): chunking + protobuf per token sent
     import_s_per_token: float = 0.0  # a receiver's engine thread: parse + import per token received
     unshaped_gbps: float = 1.0  # the A -> B link while the history phase replays (unshaped)
+    push_window_bytes: float = 4 * 1024 * 1024  # bytes a WAN push may have unacknowledged (HTTP/2 window)
 
     @property
     def kv_tokens(self) -> int:
@@ -90,7 +91,9 @@ class ClusterConfig:
     rld_prior_tokens_per_s: float | None = None  # RLD speed before the first measurement (None: profile)
     wan_prior_gbps: float | None = None  # link throughput before the first transfer (None: the line's)
     cancel_late_transfers: bool = True  # RLD finished first: cancel the WAN push (router: let it finish)
-    link_timing: str = "first_byte"  # link samples timed from the push's first byte, or "admission" (router)
+    # link samples: from the push's first byte ("first_byte"), from P's admission ("admission"),
+    # or the push's time less its waits on P's prefill ("wire": TransferDone.wire_ms, the router)
+    link_timing: str = "first_byte"
     user_lag_s: float | None = None  # B -> user delay of tokens decoded in B (None: WAN latency)
     host: HostConfig | None = None
 

@@ -77,6 +77,7 @@ class DecodeInstance:
         self.busy_time = 0.0
         self.tokens_out = 0
         self.extend_passes = 0
+        self.committed = 0  # pool tokens reserved for requests whose KV is on its way (router's view)
 
     # ---- queries ---------------------------------------------------------------------
     @property

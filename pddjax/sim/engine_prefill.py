@@ -7,7 +7,9 @@ What the real P does (pddjax/serving/prefill_service.py, engines/paged_engine.py
 - every step packs the sequences with pending tokens, fewest pending first, up to
   `step_tokens` tokens and `max_rows` rows (a short high-hit prompt overtakes a cold one);
   after the step each row's new KV is exported and streamed (`on_chunk(req, a, b, last)`);
-- the step that finishes a prompt samples its first token; P keeps the prompt in its cache.
+- the step that finishes a prompt samples its first token; P keeps the prompt in its cache,
+  and its pages stay held (leased: not evictable, though its cache serves them) until every
+  push of the prompt's KV has been acknowledged or cancelled (`push_done`).
 Steps and commands run one at a time on the instance's engine thread; each is a job on the
 shared `Host` (steps keep `step_cores` busy, exports one core).
 """
@@ -50,6 +52,7 @@ class EnginePrefill:
         self.busy_time = 0.0
         self.tokens_computed = 0
         self.n_steps = 0
+        self.leases: set[str] = set()  # requests whose KV pushes P still holds pages for
 
     # ---- queries ---------------------------------------------------------------------
     def hit_for(self, req) -> int:
@@ -137,12 +140,21 @@ class EnginePrefill:
         self.jobs.remove(job)
         self.cache.release(job.held)
         self.cache.insert(("s", req.sid), req.prompt, req.turn)
+        if any(not (s.landed or s.cancelled) for s in req.streams):
+            self.cache.lease(("s", req.sid))
+            self.leases.add(req.rid)
         if req.turn == 0:
             old = self.cache.get(("d", req.doc))
             if old is None or old.tokens < req.prefix:
                 self.cache.insert(("d", req.doc), req.prefix, -1)
         req.prefill_end = self.loop.now
         self.on_done(req)
+
+    def push_done(self, req) -> None:
+        """One of `req`'s pushes was acknowledged or cancelled: free its lease after the last."""
+        if req.rid in self.leases and all(s.landed or s.cancelled for s in req.streams):
+            self.leases.discard(req.rid)
+            self.cache.unlease(("s", req.sid))
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()

@@ -23,6 +23,12 @@ the padded [B, Q] x [B, C] block, so a step costs
   pddjax.sim.calibrate`): `bench engine` times at one context (256) only.
 With a = G = 0 this is the profile's interpolation without context.
 
+A measured `step_table` (`python -m pddjax.sim.step_table`: each shape the trace uses, timed
+on the engine) replaces the formula where it has the shape: XLA computes the whole padded
+block, so a step's time depends on its bucketed shape only. Shapes it lacks get the formula
+scaled by the table's median measured / formula ratio (one correction for how this host
+runs now, e.g. a profile taken under other load).
+
 `shapes` counts the step shapes (T, B, page-table width, Q) used: a shape the engine has
 not run before is compiled on first use (seconds on a CPU), which this model does not time.
 """
@@ -69,6 +75,15 @@ class StepModel:
         self._rows = [(b, t - self._attn(pow2(int(b)), 1, kv_slots(ctx + 16, S)) - self.lin(int(b)))
                       for b, t in perf.decode]
         self.shapes: dict[tuple[int, int, int, int], int] = {}  # (T, B, width, Q) -> steps run
+        self.table = dict(perf.step_table)  # (T, B, width, Q) -> seconds, measured
+        ratios = sorted(t / self._formula(*k) for k, t in self.table.items())
+        self.scale = ratios[len(ratios) // 2] if ratios else 1.0
+
+    def _formula(self, T: int, B: int, width: int, Q: int, decode_rows: int = 0) -> float:
+        t = self.lin(T) + self._attn(B, Q, width * self.perf.page_size)
+        if decode_rows:
+            t += interp(self._rows, decode_rows)
+        return max(t, 1e-6)
 
     def _attn(self, rows: int, q: int, slots: int) -> float:
         x = rows * slots  # KV slots gathered
@@ -90,7 +105,6 @@ class StepModel:
         kv = max([decode_kv] * (decode_rows > 0) + [c for _, c in chunks])
         key = (pow2(tokens), pow2(rows), table_width(kv, self.perf.page_size), pow2(q))
         self.shapes[key] = self.shapes.get(key, 0) + 1
-        t = self.lin(tokens) + self._attn(pow2(rows), pow2(q), kv_slots(kv, self.perf.page_size))
-        if decode_rows:
-            t += interp(self._rows, decode_rows)
-        return max(t, 1e-6)
+        if key in self.table:
+            return self.table[key]
+        return self.scale * self._formula(*key, decode_rows=decode_rows)

@@ -82,6 +82,7 @@ class Handoff:
         if final:
             emitted = rld.remove(seq)
             req.rld_last = c.loop.now
+            c.cache_on_rld(req, req.prompt + emitted)
             if emitted >= req.output:  # RLD already produced everything
                 self._rld_finished(req, emitted)
                 return
@@ -123,6 +124,7 @@ class Handoff:
         c = self.c
         req.finish = req.rld_last = c.loop.now
         req.rld_tokens, req.md_tokens = req.output, 0
+        c.cache_on_rld(req, req.prompt + req.output)
         req.pipeline = "P-RLD*"  # dual path started, finished on RLD
         md, mseq = req.md_inst, req.md_seq
         if c.cfg.cancel_late_transfers and req.transfer is not None and not req.transfer.landed:

@@ -10,7 +10,8 @@ Input (extra keys ignored):
      "kv_bytes_per_token": 23040,                         # optional (default: SmolLM2-135M)
      "context": 256, "page_size": 16,                     # optional: where the steps were timed
      "attention_ns_per_pair": 1700,                       # optional host calibration (engine_steps.py)
-     "gather_ns_per_slot": 14000, "gather_far_ns_per_slot": 38000, "gather_knee_slots": 1024}
+     "gather_ns_per_slot": 14000, "gather_far_ns_per_slot": 38000, "gather_knee_slots": 1024,
+     "step_table": [[T, B, width, Q, ms], ...]}          # optional: measured step shapes (step_table.py)
 
 Times are interpolated piecewise-linearly in batch / tokens, extrapolated linearly past the
 last point and clamped below the first. `step_s` / `prefill_s` (the cluster-scale model)
@@ -50,6 +51,17 @@ def _table(obj: dict, key: str) -> list[tuple[float, float]]:
     return pts
 
 
+def _steps(obj: dict) -> tuple:
+    rows = obj.get("step_table") or []
+    try:
+        out = tuple(((int(t), int(b), int(w), int(q)), float(ms) / 1e3) for t, b, w, q, ms in rows)
+    except (TypeError, ValueError):
+        raise ValueError("'step_table' must be a list of [T, B, width, Q, ms] rows") from None
+    if any(s <= 0 for _, s in out):
+        raise ValueError("'step_table' times must be positive")
+    return out
+
+
 def _nonneg(obj: dict, key: str) -> float:
     x = obj.get(key, 0.0)
     if not isinstance(x, (int, float)) or x < 0:
@@ -75,6 +87,7 @@ class MeasuredInstance:
     gather_ns_per_slot: float = 0.0  # per padded (row, KV slot) of a step, up to the knee
     gather_far_ns_per_slot: float = 0.0  # beyond the knee (0: same as below it)
     gather_knee_slots: int = 1024  # (rows x KV slots) gathered per step before copies leave the caches
+    step_table: tuple = ()  # ((T, B, page-table width, Q), seconds): measured engine steps per shape
 
     @classmethod
     def from_json(cls, obj: dict, cost_per_hour: float = 1.0) -> "MeasuredInstance":
@@ -91,6 +104,7 @@ class MeasuredInstance:
             gather_ns_per_slot=_nonneg(obj, "gather_ns_per_slot"),
             gather_far_ns_per_slot=_nonneg(obj, "gather_far_ns_per_slot"),
             gather_knee_slots=int(obj.get("gather_knee_slots", 1024)),
+            step_table=_steps(obj),
         )
 
     @classmethod

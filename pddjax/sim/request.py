@@ -16,7 +16,7 @@ class SimRequest:
         "pipeline", "md_hit", "md_pinned", "md_pinned_turn", "md_inst", "md_seq", "rld_inst", "rld_seq",
         "transfer", "wan_bytes", "kv_at_md", "handed", "chunks", "handoff_start", "handoff_end",
         "first_token", "finish", "rld_tokens", "md_tokens", "done",
-        "streams", "sync", "sync_main", "rld_last", "hit_forced",
+        "streams", "sync", "sync_main", "rld_last", "hit_forced", "md_committed",
     )
 
     def __init__(self, tr: TraceRequest):
@@ -40,6 +40,7 @@ class SimRequest:
         self.sync_main = False  # filtered turn: push its context to MD afterwards
         self.rld_last = -1.0  # when RLD emitted its last token for this request
         self.hit_forced: int | None = None  # P hit given by the caller (a sync: P holds the prompt)
+        self.md_committed = 0  # MD pool tokens Reserve set aside while the KV is on its way (host)
 
     @property
     def ttft(self) -> float:

@@ -12,7 +12,9 @@ At send time (what pddjax's router does in `_plan`):
   pdd -> P-RLD-MD, pd-local (singular) -> P-RLD, whose context is then pushed to MD in the
   background, one session at a time (`sync.py`). The drift experiment (`rld_normal_path`)
   sends every would-be P-RLD-MD request P-RLD without that push.
-Then P streams the KV: to a tier in A (RLD, local D) from token 0 over the fast link, to MD
+Then P streams the KV: to a tier in A (RLD, local D) over the fast link, from token 0 (cluster
+scale: the report's RDMA copy) or, on an engine host, from the tier's own prefix-cache hit
+(pddjax's Reserve on RLD: sessions stick to their RLD, which caches what it served); to MD
 from its DRC hit over the WAN; MD's DRC entry is pinned until the request is done with it.
 
 On an engine host the router's RPCs are modelled too, one after the other as `_plan` and
@@ -57,6 +59,14 @@ class Router:
         self.policy = PolicyConfig(ttft_budget_s=cfg.rld_threshold_s, filter_cap=cfg.filter_cap,
                                    filter_window=cfg.filter_window, drift_tolerance=cfg.drift_tolerance,
                                    handoff_threshold=cfg.chunk_threshold)
+        self.restart()
+        self.sync = MainSync(c, self)
+
+    def restart(self) -> None:
+        """Fresh estimates (what a restarted router process knows): the link priors, RLD's
+        speed prior, no session history, an empty filter window. `bench serve` restarts the
+        router after the history phase; the caches of P, RLD and MD stay warm."""
+        c, cfg = self.c, self.c.cfg
         mbps = 1e3 * (cfg.wan_prior_gbps or cfg.wan_gbps)
         self.links = {d.name: LinkEstimator(mbps, cfg.wan_latency_s) for d in c.D}
         ctx = c.mean_context
@@ -64,7 +74,6 @@ class Router:
         self.rld_speed = {r.name: Ewma(prior) for r in c.R}
         self.sessions = SessionTracker()
         self.window = FilterWindow(cfg.filter_window)
-        self.sync = MainSync(c, self)
 
     # ---- placement and decision -----------------------------------------------------------
     def admit(self, req: SimRequest) -> None:
@@ -103,9 +112,13 @@ class Router:
             pipeline = "P-MD"
         else:
             pipeline = self._decide(req, p)
+            if pipeline in ("P-MD", "P-RLD-MD") and not self._md_holds(req, md):
+                pipeline, req.sync_main = "P-RLD", False  # Reserve on MD: RESOURCE_EXHAUSTED -> pd-local
+                self.reasons["main-full"] = self.reasons.get("main-full", 0) + 1
         self._count(pipeline)
         req.pipeline = pipeline
         uses_md = pipeline in ("P-D", "P-MD", "P-RLD-MD")
+        d_start = (c.own_hit(req, md) if cfg.host else req.md_hit) if pipeline == "P-D" else 0  # before the pin
         if uses_md and cfg.drc:
             entry = md.cache.take(("s", req.sid))
             if entry is not None:
@@ -113,10 +126,13 @@ class Router:
         streams = []
         if pipeline in ("P-RLD", "P-RLD-MD"):
             req.rld_inst = min(c.R, key=lambda r: r.load())
-            streams.append(KVStream(c, req, req.rld_inst, c.fast[c.P.index(p)], 0, self._rld_landed))
+            start = c.own_hit(req, req.rld_inst) if cfg.host else 0  # RLD's prefix cache (Reserve)
+            streams.append(KVStream(c, req, req.rld_inst, c.fast[c.P.index(p)], start, self._rld_landed))
         if pipeline == "P-D":
-            start = 0 if cfg.host else req.md_hit
-            streams.append(KVStream(c, req, md, c.fast[c.P.index(p)], start, self._direct_landed))
+            streams.append(KVStream(c, req, md, c.fast[c.P.index(p)], d_start, self._direct_landed))
+        if pipeline in ("P-MD", "P-RLD-MD") and cfg.host:
+            req.md_committed = req.prompt + req.output - req.md_hit
+            md.committed += req.md_committed
         if pipeline in ("P-MD", "P-RLD-MD"):
             stream = KVStream(c, req, md, c.wan, req.md_hit, self._md_landed, estimator=self.links[md.name])
             streams.append(stream)
@@ -132,6 +148,18 @@ class Router:
         for s in req.streams:
             s.t0 = self.c.loop.now  # P's push starts at its admission (first_byte: reset when it sends)
         p.submit(req, min(s.start for s in req.streams))
+
+    def _md_holds(self, req: SimRequest, md) -> bool:
+        """On an engine host, MD's Reserve allocates the sequence's pages at once (prompt +
+        max tokens, less its DRC hit) and fails when its pool cannot hold them: pages of
+        requests whose KV is still crossing the WAN (`committed`) count as taken."""
+        if not self.c.cfg.host:
+            return True
+        return md.cache.can_reserve(md.committed + req.prompt + req.output - req.md_hit)
+
+    def _uncommit(self, req: SimRequest) -> None:
+        req.md_inst.committed -= req.md_committed
+        req.md_committed = 0
 
     def _pick_decode(self, req: SimRequest):
         c = self.c
@@ -179,6 +207,7 @@ class Router:
 
     def _md_landed(self, req: SimRequest) -> None:
         c = self.c
+        self._uncommit(req)  # the sequence now waits for admission in MD's own accounting
         if req.pipeline == "P-MD":
             seq = c.direct_seq(req, req.md_inst, in_b=True, pinned=req.md_pinned)
             req.md_seq = seq

@@ -83,7 +83,7 @@ def mode_config(mode: str, perf: MeasuredInstance, wan: WanSettings, host: HostC
         wan_sharing=WAN_SHARING, fast_gbps=10.0, fast_latency_s=50e-6, handoff="chunked", chunk_threshold=router.handoff_threshold,
         rld_threshold_s=router.ttft_budget_s, filter_cap=router.filter_cap, filter_window=router.filter_window,
         drift_tolerance=router.drift_tolerance, rld_prior_tokens_per_s=router.rld_tokens_per_s_prior,
-        wan_prior_gbps=gbps, cancel_late_transfers=False, link_timing="admission", user_lag_s=0.0,
+        wan_prior_gbps=gbps, cancel_late_transfers=False, link_timing="wire", user_lag_s=0.0,
         drc=mode != "pdd-drc-off",
         tpot_target_s=10.0, host=host,
     )
@@ -120,6 +120,7 @@ def simulate_mode(mode: str, perf: MeasuredInstance, wan: WanSettings, host: Hos
         "wan_bytes": float(sum(r.wan_bytes for r in reqs)),
         "history_s": cl.t0,
         "new_step_shapes": cl.new_shapes(),
+        "step_shapes": sorted({k for i in [*cl.P, *cl.D, *cl.R] for k in cl.step_model(i).shapes}),
         "host_utilization": cl.host.busy_s / (cl.loop.now * cl.host.cores) if cl.loop.now else 0.0,
         "requests": [{"request_id": r.rid, "pipeline": BENCH_PIPELINE[r.pipeline], "ttft_ms": 1e3 * r.ttft,
                       "send_s": r.arrival - cl.t0, "queue_s": r.prefill_start - r.arrival,

@@ -1,0 +1,145 @@
+"""Measure the engine step of every shape a benchmark trace uses: the simulator's step table.
+
+    python -m pddjax.sim.step_table --measured BENCH.json --trace TRACE.jsonl \
+        --engine-profile engine.json [--calibration IN.json] --json OUT.json [--repeats 5]
+
+XLA runs a step over the whole padded block of its bucketed shape (T tokens, B rows,
+page-table width, longest row Q: `engine_steps.py`), so the step's time is a function of
+that key. This script simulates the trace in every mode the benchmark ran (with the
+formula), collects the keys the engines use (~20-40), builds for each a concrete engine
+state with exactly that shape (`rows_for`, `_engine_step`) and times its step (median of `repeats`, after a compile). OUT is the calibration IN (or the
+defaults) plus `step_table`: [[T, B, width, Q, ms], ...]; pass it as `--calibration` to
+`pddjax sim --scenario validate`. Needs a quiet machine; jax is imported inside `measure`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+from pddjax.sim import calibrate
+
+
+def rows_for(key: tuple[int, int, int, int], page_size: int = 16) -> list[tuple[int, int]]:
+    """(KV length after the step, pending tokens) per row of a step of bucketed shape `key`:
+    row 0 has Q tokens, the other B - 1 rows bring the total into (T/2, T]."""
+    T, B, width, Q = key
+    if Q > T or B > T or min(key) < 1:
+        raise ValueError(f"no step has shape {key}")
+    end = width * page_size  # the longest row's KV ends in the table's last page
+    rows = [(end, Q)]
+    left = max(B - 1, min(T, Q * B) - Q)
+    for i in range(B - 1):
+        n = max(1, min(Q, left - (B - 2 - i)))  # at least 1 for each row still to come
+        rows.append((end, n))
+        left -= n
+    return rows
+
+
+def _engine_step(model, rows: list[tuple[int, int]], seed: int):
+    """An engine whose next step has `rows`; returns step() -> seconds. A one-token row is
+    a decoding sequence (prefilled, then fed its sampled token each step), KV 48-64 slots
+    short of the table's end (it stays in the bucket across the timed steps); a longer row
+    is a prompt whose cached prefix (whole pages, warmed first) leaves exactly n tokens."""
+    import numpy as np
+
+    from pddjax.engines.paged_engine import EngineConfig, PagedEngine
+    from pddjax.model.sampling import SamplingParams
+
+    mcfg, g = model.config, SamplingParams()
+    rng = np.random.default_rng(seed)
+    pages = 8 + sum(-(-(end + 2) // 16) + 1 for end, _ in rows)
+    eng = PagedEngine(mcfg, model.weights, model.fingerprint,
+                      EngineConfig(dtype="float32", page_size=16, num_pages=pages, attention="xla",
+                                   max_step_tokens=256, max_rows=16, prefix_cache=True))
+    chunks = []
+    for i, (end, n) in enumerate(rows):
+        if n == 1:
+            eng.add(f"d{i}", rng.integers(3, mcfg.vocab_size, max(1, end - 64)).tolist(), g, 64, ())
+            continue
+        c = (end - n) // 16 * 16
+        prompt = rng.integers(3, mcfg.vocab_size, c + n).tolist()
+        chunks.append((f"s{i}", prompt, n))
+        if c:
+            eng.add(f"w{i}", prompt[:c] + [5], g, 1, (), hold_on_finish=True)  # caches c tokens
+    while any(not s.generated for s in eng.seqs.values()):
+        eng.step()
+    for name in [k for k in eng.seqs if k.startswith("w")]:
+        eng.release(name, cache=True)
+
+    def step():
+        for name, prompt, _ in chunks:
+            eng.add(name, prompt, g, 1, (), hold_on_finish=True)
+        got = sorted(s.num_pending for s in eng.seqs.values())
+        if got != sorted(n for _, n in rows):
+            raise RuntimeError(f"step table: rows pending {got}, wanted {sorted(n for _, n in rows)}")
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        for name, _, _ in chunks:
+            eng.release(name, cache=False)
+        return dt
+    return step
+
+
+def measure(keys, model_name: str = "smollm2-135m", repeats: int = 5, stop=None) -> list[list]:
+    """[[T, B, width, Q, ms], ...] for the given shape keys: one engine at a time (a pool of
+    16 rows at 1K tokens is ~0.8 GB of float32 KV), compiled, then the median of `repeats`;
+    stops early (the shapes measured so far) when `stop()` turns true."""
+    model = calibrate._model(model_name)
+    out = []
+    for i, key in enumerate(keys):
+        if stop is not None and stop():
+            print(f"stopped after {len(out)} of {len(keys)} shapes", flush=True)
+            break
+        step = _engine_step(model, rows_for(key), seed=i)
+        step()  # compile
+        out.append([*key, round(1e3 * statistics.median(step() for _ in range(repeats)), 2)])
+        print(out[-1], flush=True)
+    return out
+
+
+def trace_keys(measured_path: str, trace_path: str | None, engine_json: dict, cal: dict) -> list:
+    """The step shapes the simulated benchmark uses, in every mode it ran."""
+    from pddjax.sim import validate
+
+    meas = validate.load_measured(measured_path)
+    trace = validate.trace_of(meas, trace_path)
+    wan = validate.wan_of(meas)
+    if wan is None:
+        raise ValueError(f"{measured_path} records no emulated WAN")
+    pred = validate.predict(calibrate.profile(engine_json, cal), wan, calibrate.host_config(cal), trace,
+                            modes=validate.measured_modes(meas))
+    return sorted({tuple(k) for m in pred["modes"].values() for k in m["step_shapes"]})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pddjax.sim.step_table", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--measured", required=True)
+    ap.add_argument("--trace")
+    ap.add_argument("--engine-profile", required=True)
+    ap.add_argument("--calibration")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--stop-if-exists", metavar="FILE", help="stop early once FILE exists (the machine got busy)")
+    args = ap.parse_args(argv)
+    cal = calibrate.load(args.calibration) if args.calibration else dict(calibrate.DEFAULT)
+    with open(args.engine_profile, encoding="utf-8") as f:
+        engine_json = json.load(f)
+    keys = trace_keys(args.measured, args.trace, engine_json, cal)
+    print(f"{len(keys)} step shapes", flush=True)
+    stop = (lambda: os.path.exists(args.stop_if_exists)) if args.stop_if_exists else None
+    out = {**cal, "step_table": measure(keys, args.model, args.repeats, stop)}
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out["step_table"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
