@@ -50,8 +50,8 @@ class DecodeKV:
                     batch.append(run)
                 await settle(wait=False)
                 if chunk.last:
-                    await settle(wait=True)
-                    await settle(wait=True)  # the runs that queued behind the last import
+                    while pending is not None or batch:  # the import in flight, then the runs queued behind it
+                        await settle(wait=True)
                     if not await self.worker.call(self._kv_complete, rid, list(chunk.known_tokens)):
                         raise self._gone(rid)
                     return cluster_pb2.PushKVResponse(tokens_imported=imported, bytes_received=asm.bytes, chunks=asm.next_seq)

@@ -291,19 +291,24 @@ def measure(model_name: str = "smollm2-135m", repeats: int = 8, cores: float = 2
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pddjax.sim.calibrate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", required=True)
+def run_cli(prog: str, doc: str, measure_fn, repeats: int, argv=None, json_help: str | None = None) -> int:
+    """The shared CLI of the measuring tools: --json, --model, --repeats, --cores -> measure_fn's
+    dict, written to --json and printed."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", required=True, help=json_help)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--cores", type=float, default=2.0, help="cores of this host")
     args = ap.parse_args(argv)
-    out = measure(args.model, args.repeats, args.cores)
+    out = measure_fn(args.model, args.repeats, args.cores)
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out))
     return 0
+
+
+def main(argv=None) -> int:
+    return run_cli("python -m pddjax.sim.calibrate", __doc__, measure, 8, argv)
 
 
 if __name__ == "__main__":

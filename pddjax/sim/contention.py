@@ -16,8 +16,6 @@ both. Needs a quiet machine (nothing else busy); jax is imported only inside the
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import statistics
 
@@ -71,19 +69,10 @@ def measure(model_name: str = "smollm2-135m", repeats: int = 6, cores: float = 2
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pddjax.sim.contention", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", required=True, help="write the result here (merge step_cores / decode_cores "
-                                                   "into a calibration JSON to use them)")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--cores", type=float, default=2.0, help="cores of this host")
-    args = ap.parse_args(argv)
-    out = measure(args.model, args.repeats, args.cores)
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=1)
-    print(json.dumps(out))
-    return 0
+    from pddjax.sim.calibrate import run_cli
+
+    return run_cli("python -m pddjax.sim.contention", __doc__, measure, 6, argv,
+                   json_help="write the result here (merge step_cores / decode_cores into a calibration JSON to use them)")
 
 
 if __name__ == "__main__":
