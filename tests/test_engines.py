@@ -8,7 +8,7 @@ import pytest
 from pddjax.engines.paged_engine import EngineConfig, PagedEngine
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.engines.roles import DecodeEngine, PrefillEngine, PrefillRequest
-from pddjax.engines.step import compile_count
+from pddjax.engines.step import compile_count, executables, resident_count
 from pddjax.kv.canonical import KVImportError
 from pddjax.model.sampling import SamplingParams
 
@@ -137,6 +137,26 @@ def test_steady_workload_never_recompiles(tiny):
     wave("steady", 2)
     wave("again", 3)
     assert compile_count() == n
+
+
+def test_step_executables_are_bounded_and_evicted_shapes_come_back(tiny, ref):
+    """A varied load meets many step shapes; at most `capacity` executables stay resident
+    (least recently used evicted), and an evicted shape is rebuilt, with the same tokens."""
+    cache = executables()
+    saved = cache.capacity
+    cache.capacity = 2
+    try:
+        eng = engine(tiny)
+        lengths = [5, 40, 100, 5]  # distinct step shapes; the last comes back after eviction
+        for i, n in enumerate(lengths):
+            p = prompt(n, 50 + i)
+            eng.add(f"r{i}", p, GREEDY, 4, NO_STOP)
+            assert drain(eng)[f"r{i}"] == ref.generate(p, GREEDY, 4, NO_STOP).token_ids
+            assert resident_count() <= 2
+            cache.check_integrity()
+        assert cache.evicted > 0
+    finally:
+        cache.capacity = saved
 
 
 @pytest.mark.parametrize("src, dst", [(("bfloat16", 16), ("float32", 32)), (("float32", 32), ("bfloat16", 16))])

@@ -28,7 +28,7 @@ def test_least_loaded_with_affinity_tiebreak_and_rotation():
 def test_md_affinity_is_sticky_until_unhealthy_or_excluded():
     pool = pools.Pool("main", ["m1", "m2"], ["w1", "w2"])
     m1, m2 = pool.instances
-    assert m1.wan_address == "w1"
+    assert m1.kv_address == "w1"
     m1.inflight = 5
     assert pool.pick(prefer="m1", sticky=True) is m1  # holds the session's context: load is secondary
     pools.set_health(m1, False)

@@ -59,10 +59,11 @@ SOURCES = {common_pb2.ROLE_RELAY: "relay", common_pb2.ROLE_MAIN: "main"}
 
 
 class FaultStack:
-    """2 P, 2 RLD, 2 MD and a router as processes; P and RLD reach each MD through its own link."""
+    """2 P, 2 RLD, 2 MD and a router as processes; P and RLD reach each MD through its own link
+    (`links`), P reaches each RLD with KV through another (`relay_links`, unshaped)."""
 
     def __init__(self, workdir: str):
-        self.children, self.links = [], []
+        self.children, self.links, self.relay_links = [], [], []
         self.log = open(os.path.join(workdir, "services.log"), "ab")  # noqa: SIM115  (closed in close())
         try:
             cfg = os.path.join(workdir, "stack.json")
@@ -73,10 +74,12 @@ class FaultStack:
             asyncio.run(wait_ready(self.children, 240))
             addr = {r: [c.address for c in self.children if c.role == r] for r in ("prefill", "relay", "main")}
             self.links = [LinkThread(a) for a in addr["main"]]
+            self.relay_links = [LinkThread(a) for a in addr["relay"]]
             rcfg = os.path.join(workdir, "router.json")
             with open(rcfg, "w") as f:
                 json.dump({**STACK, "router": {**STACK["router"], **addr,
-                                               "main_wan": [lk.address for lk in self.links]}}, f)
+                                               "main_wan": [lk.address for lk in self.links],
+                                               "relay_kv": [lk.address for lk in self.relay_links]}}, f)
             router = spawn("router", rcfg, workdir, log=self.log)
             self.children.append(router)
             asyncio.run(wait_ready([router], 240))
@@ -87,7 +90,7 @@ class FaultStack:
 
     def close(self) -> None:
         stop_all(self.children)
-        for lk in self.links:
+        for lk in self.links + self.relay_links:
             lk.close()
         self.log.close()
 
@@ -110,9 +113,10 @@ class FaultStack:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("pddjax_rpc_total{") and f'method="{method}"' in line)
 
-    def on_links(self, fn_name: str, *args, **kw) -> None:
-        """Call emulator.fn_name on every link's event loop (faults touch sockets)."""
-        for lk in self.links:
+    def on_links(self, fn_name: str, *args, links=None, **kw) -> None:
+        """Call emulator.fn_name on every link's event loop (faults touch sockets); `links`:
+        which (default: the WAN links to MD)."""
+        for lk in self.links if links is None else links:
             async def call(lk=lk):
                 getattr(lk.link.emulator, fn_name)(*args, **kw)
             asyncio.run_coroutine_threadsafe(call(), lk.loop).result(10)
@@ -331,6 +335,23 @@ def test_byte_flip_on_the_wan_is_detected_never_decoded(stack, ref):
     r = run(stack, make_request(prompt(60, 21), max_tokens=16, pipeline="pd-cross", ignore_eos=True))
     stack.on_links("clear_faults")
     assert r.code == grpc.StatusCode.DATA_LOSS and "checksum" in r.details and not r.tokens, (r.code, r.details)
+    stack.assert_idle()
+
+
+def test_corrupted_kv_to_rld_md_serves_the_request(stack, ref):
+    """pdd: one bit flipped in P's push to RLD. RLD refuses the chunk (DATA_LOSS) and never
+    decodes; MD, whose KV arrived intact, takes the request from P's first token and produces
+    every other token, identical to the reference; every tier idle after."""
+    p = prompt(60, 25)
+    stack.on_links("inject", A_TO_B, flip_at=2000, links=stack.relay_links)
+    try:
+        r = run(stack, make_request(p, max_tokens=16, pipeline="pdd", ignore_eos=True))
+    finally:
+        stack.on_links("clear_faults", links=stack.relay_links)
+    assert r.code is None and r.tokens == ref(p, 16), (r.code, r.details)
+    assert set(r.sources[1:]) == {"main"}, r.sources  # token 0 is P's, forwarded at the takeover
+    # RLD's Decode stream ends DATA_LOSS too; whichever report comes first, MD takes over once
+    assert stack.stats()["counters"].get("main_took_over", 0) >= 1
     stack.assert_idle()
 
 

@@ -313,3 +313,33 @@ def test_step_model_uses_measured_shapes_and_scales_the_formula_elsewhere():
     assert table.step_s(decode_rows=8, decode_kv=272) == pytest.approx(2 * plain.step_s(decode_rows=8, decode_kv=272))
     with pytest.raises(ValueError, match="step_table"):
         MeasuredInstance.from_json({**prof, "step_table": [[64, 1, 24]]})
+
+
+PINNED = (("main", (1,)), ("prefill", (0,)), ("relay", (1,)))
+
+
+def test_pinned_services_get_their_own_cores_and_share_within_a_set():
+    """bench serve pins P alone on core 0, RLD and MD on core 1: P's prefill runs as fast as
+    on an idle core while the decoders step; RLD and MD split core 1 between them."""
+    hc = HostConfig(cores=2.0, step_cores=2.0, decode_cores=2.0, cpus=PINNED)
+    cfg = ClusterConfig("pdd", Pool(FLAT, 1), Pool(FLAT, 1), rld=Pool(FLAT, 1), user_lag_s=0.0, host=hc)
+    cl = Cluster(cfg, trace_one_session(), horizon=float("inf"))
+    p_host, md_host, rld_host = cl.P[0].host, cl.D[0].host, cl.R[0].host
+    assert md_host is rld_host and p_host is not md_host
+    assert (p_host.cores, md_host.cores) == (1.0, 1.0)
+    md_host.run(1.0, 2.0, lambda: None)  # a decode step asking for two cores gets the one it has
+    assert p_host.slowdown(1.0) == 1.0 and md_host.slowdown(1.0) == 2.0
+    local = Cluster(ClusterConfig("pd-local", Pool(FLAT, 1), Pool(FLAT, 1), user_lag_s=0.0, host=hc),
+                    trace_one_session(), horizon=float("inf"))
+    assert local.D[0].host is local.host_for("relay")  # pd-local decodes on RLD's service
+    with pytest.raises(ValueError, match="overlap"):
+        Cluster(ClusterConfig("pd-cross", Pool(FLAT, 1), Pool(FLAT, 1), user_lag_s=0.0,
+                              host=HostConfig(cpus=(("prefill", (0, 1)), ("main", (1,))))),
+                trace_one_session(), horizon=float("inf"))
+
+
+def test_validation_reads_the_benchmarks_pinning():
+    from pddjax.sim.validate import cpus_of
+
+    assert cpus_of({"cpus": {"prefill": [0], "relay": [1], "main": [1]}}) == PINNED
+    assert cpus_of({"cpus": None}) == () and cpus_of({}) == ()

@@ -3,7 +3,9 @@ concurrent multi-turn sessions for a while, 30% of requests aborted at random po
 
 Checks at the end: every completed request's tokens equal the monolithic reference (no lost,
 duplicated or reordered tokens), every tier is idle with no page held and integrity intact, and
-the services' RSS and the router's open calls are flat (printed per minute).
+the services' RSS and the router's open calls are flat (sampled every 30 s, with each engine
+service's `pddjax_jit_compiles` and `pddjax_jit_executables`: RSS grows with the executables a
+process holds, which `PDDJAX_STEP_EXECUTABLES` caps).
 
     .venv/bin/python tools/soak.py --minutes 3 --sessions 24 --json out/soak.json
 """
@@ -19,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -46,6 +49,21 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def gauge(url: str | None, name: str = "pddjax_jit_compiles") -> int | None:
+    """A gauge of the service's metrics (None without an endpoint or engine)."""
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return int(float(line.split()[1]))
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=3.0)
@@ -63,6 +81,7 @@ def main() -> int:
         stack = Stack(STACK, d)
         try:
             pids = {c.role: c.proc.pid for c in stack.children}
+            urls = {c.role: c.metrics for c in stack.children if c.role != "router"}
             samples = []
 
             def session(sid: int):
@@ -78,20 +97,12 @@ def main() -> int:
                     abort_after = rng.randint(0, 5) if rng.random() < args.abort_share else None
                     req = make_request(prompt, max_tokens=10, pipeline=rng.choice(["pdd", "pd-cross", "pd-local", "auto"]),
                                        ignore_eos=True, session_id=f"s{sid}")
-                    toks, n = [], 0
                     try:
-                        call = c.stream(req, timeout=120)
-                        for msg in call:
-                            toks += msg.token_ids
-                            n += 1
-                            if abort_after is not None and n > abort_after:
-                                call.cancel()
-                                break
-                    except grpc.RpcError as e:
-                        if e.code() != grpc.StatusCode.CANCELLED:
-                            with lock:
-                                counts["errors"] += 1
-                            continue
+                        toks = c.stream_tokens(req, timeout=120, cancel_after=abort_after)
+                    except grpc.RpcError:
+                        with lock:
+                            counts["errors"] += 1
+                        continue
                     want = ref.generate(prompt, SamplingParams(), 10, ()).token_ids
                     with lock:
                         if abort_after is not None and len(toks) < 10:
@@ -109,7 +120,8 @@ def main() -> int:
                 while not all(f.done() for f in futs):
                     time.sleep(min(30.0, max(1.0, stop_at - time.monotonic())))
                     samples.append({"t_s": round(time.monotonic() - t0), **{r: round(rss_mb(p), 1) for r, p in pids.items()},
-                                    **dict(counts)})
+                                    **{f"{r}_compiles": gauge(u) for r, u in urls.items()},
+                                    **{f"{r}_held": gauge(u, "pddjax_jit_executables") for r, u in urls.items()}, **dict(counts)})
                     print(json.dumps(samples[-1]), flush=True)
                 for f in futs:
                     f.result()

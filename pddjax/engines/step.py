@@ -2,30 +2,102 @@
 sampled token per row out, the KV pool donated and updated in place.
 
 Static: model config, attention implementation, max row length bucket, greedy fast path.
-`compile_count()` reports how many shapes have been compiled, so tests can assert that a
-steady workload never recompiles.
+
+Every distinct shape key (T, B, MP, Q buckets, flags) is its own XLA executable, a few MB of
+host memory each, and a serving process under a varied load meets hundreds of keys over
+hours. `run_step` therefore keeps at most `PDDJAX_STEP_EXECUTABLES` (default 128) compiled
+variants, least recently used evicted first; an evicted key comes back from the persistent
+compilation cache on disk (`jax_setup`), not from a fresh compile. `compile_count()` counts
+variants built in this process (tests assert a steady workload adds none),
+`resident_count()` those held now.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import os
+import threading
 
 import jax
 
 from pddjax.model.paged import PackedBatch, forward_paged
 from pddjax.model.sampling import sample
 
+DEFAULT_EXECUTABLES = 128
+
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q_len", "impl", "greedy", "return_logits"),
                    donate_argnames=("pool",))
-def run_step(w, cfg, batch: PackedBatch, pool, seeds, steps, temperature, top_k, top_p, *,
-             max_q_len: int, impl: str, greedy: bool, return_logits: bool = False):
+def _step(w, batch: PackedBatch, pool, seeds, steps, temperature, top_k, top_p, *,
+          cfg, max_q_len: int, impl: str, greedy: bool, return_logits: bool = False):
     # seeds, steps, top_k: [B] int32; temperature, top_p: [B] float32 -> tokens [B], pool
     logits, pool = forward_paged(w, cfg, batch, pool, max_q_len=max_q_len, impl=impl)  # [B, V]
     tokens = sample(logits, seeds, steps, temperature, top_k, top_p, greedy_only=greedy)
     return tokens, (logits if return_logits else None), pool
 
 
+class Executables:
+    """LRU of compiled `_step` variants keyed by static arguments and argument shapes,
+    dtypes and shardings. Thread-safe (a service's engine thread and a test may share it)."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"the step executable cache needs room for at least 1 variant, not {capacity}")
+        self.capacity = capacity
+        self._lru: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.built = 0  # variants compiled (or loaded from the disk cache) in this process
+        self.evicted = 0
+
+    def __call__(self, args: tuple, statics: dict):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple(sorted(statics.items())),
+               tuple((x.shape, x.dtype, getattr(x, "sharding", None), getattr(x, "weak_type", False)) for x in leaves))
+        with self._lock:
+            fn = self._lru.get(key)
+            if fn is not None:
+                self._lru.move_to_end(key)
+        if fn is None:
+            fn = _step.lower(*args, **statics).compile()
+            with self._lock:
+                self.built += 1
+                self._lru[key] = fn
+                while len(self._lru) > self.capacity:
+                    self._lru.popitem(last=False)
+                    self.evicted += 1
+        return fn(*args)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def check_integrity(self) -> None:
+        if len(self._lru) > self.capacity:
+            raise AssertionError(f"{len(self._lru)} step executables held, capacity {self.capacity}")
+        if self.built - self.evicted != len(self._lru):
+            raise AssertionError(f"built {self.built} - evicted {self.evicted} != held {len(self._lru)}")
+
+
+_executables = Executables(int(os.environ.get("PDDJAX_STEP_EXECUTABLES", DEFAULT_EXECUTABLES)))
+
+
+def run_step(w, cfg, batch: PackedBatch, pool, seeds, steps, temperature, top_k, top_p, *,
+             max_q_len: int, impl: str, greedy: bool, return_logits: bool = False):
+    """-> (tokens [B] int32, logits [B, V] or None, pool). `pool` is donated: use the one returned."""
+    return _executables((w, batch, pool, seeds, steps, temperature, top_k, top_p),
+                        {"cfg": cfg, "max_q_len": max_q_len, "impl": impl, "greedy": greedy,
+                         "return_logits": return_logits})
+
+
 def compile_count() -> int:
-    """Distinct compiled variants of `run_step` in this process."""
-    return run_step._cache_size()
+    """Variants of the step built in this process (evicted ones that came back count again)."""
+    return _executables.built
+
+
+def resident_count() -> int:
+    """Variants held in memory now (<= PDDJAX_STEP_EXECUTABLES)."""
+    return len(_executables)
+
+
+def executables() -> Executables:
+    return _executables

@@ -77,6 +77,11 @@ def _scatter(pool: KVPool, k, v, slot_pages, slot_offsets):
     return write_tokens(pool, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), slot_pages, slot_offsets)
 
 
+def compiled_variants() -> int:
+    """Distinct compiled shapes of the KV gather / scatter in this process."""
+    return _gather._cache_size() + _scatter._cache_size()
+
+
 def export_run(pool: KVPool, pages: list[int], start: int, end: int, fingerprint: str,
                page_hashes: list[int] | None = None) -> KVRun:
     """Tokens [start, end) of the sequence whose KV lives in `pages` (in token order)."""

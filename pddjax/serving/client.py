@@ -80,6 +80,23 @@ class Client:
     def stream(self, req, timeout: float | None = None):
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
+    def stream_tokens(self, req, timeout: float | None = None, cancel_after: int | None = None) -> list[int]:
+        """The token ids of one Generate stream; with `cancel_after`, the client cancels the
+        call once it has received more than that many messages and returns what it got.
+        A gRPC error other than its own cancel is raised (grpc.RpcError)."""
+        call, toks, n = self.stream(req, timeout=timeout), [], 0
+        try:
+            for msg in call:
+                toks += msg.token_ids
+                n += 1
+                if cancel_after is not None and n > cancel_after:
+                    call.cancel()
+                    break
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED or cancel_after is None:
+                raise
+        return toks
+
     def generate(self, req: router_pb2.GenerateRequest, timeout: float | None = None, on_tokens=None) -> Result:
         t0 = time.perf_counter()
         ttft, toks, srcs, text, last, first, n = None, [], [], "", None, None, 0

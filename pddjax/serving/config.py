@@ -9,7 +9,8 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
     max_step_tokens = 256; max_rows = 32; prefix_cache = true
     [prefill] / [relay] / [main]    # per-role overrides of the above (+ port, platform, model)
     [router]                  # port; prefill/relay/main: address lists (several instances per
-                              # role), main_wan (MD as cluster A reaches it, parallel to main);
+                              # role), main_wan (MD as cluster A reaches it, parallel to main),
+                              # relay_kv (RLD as P reaches it with KV, parallel to relay);
                               # handoff ("auto" | "one-shot" | "chunked"), handoff_threshold,
                               # chunk_bytes; auto policy: ttft_budget_ms, filter_cap, filter_window,
                               # drift_tolerance, *_prior estimates; health_interval_s/_timeout_s;
@@ -40,6 +41,7 @@ class RouterSettings:
     relay: list[str] = dataclasses.field(default_factory=list)
     main: list[str] = dataclasses.field(default_factory=list)
     main_wan: list[str] = dataclasses.field(default_factory=list)  # MD as cluster A reaches it (parallel to main)
+    relay_kv: list[str] = dataclasses.field(default_factory=list)  # RLD as P reaches it with KV (parallel to relay)
     handoff: str = "auto"  # "auto" (chunked while more than the threshold is pending) | "one-shot" | "chunked"
     handoff_threshold: int = 64
     chunk_bytes: int = 2 * 1024 * 1024
@@ -57,15 +59,16 @@ class RouterSettings:
     max_queue: int = 512  # requests waiting (FIFO) for a slot; past both: RESOURCE_EXHAUSTED at once
 
     def __post_init__(self):
-        for f in ("prefill", "relay", "main", "main_wan"):
+        for f in ("prefill", "relay", "main", "main_wan", "relay_kv"):
             v = getattr(self, f)
             setattr(self, f, [a for a in v.split(",") if a] if isinstance(v, str) else list(v))
         if int(self.max_inflight) < 1 or int(self.max_queue) < 0:
             raise UserError(f"[router] max_inflight must be >= 1 and max_queue >= 0, "
                             f"got {self.max_inflight} and {self.max_queue}")
-        if self.main_wan and len(self.main_wan) != len(self.main):
-            raise UserError(f"[router] main_wan lists {len(self.main_wan)} addresses "
-                            f"for {len(self.main)} main instances")
+        for kv, role in (("main_wan", "main"), ("relay_kv", "relay")):
+            if getattr(self, kv) and len(getattr(self, kv)) != len(getattr(self, role)):
+                raise UserError(f"[router] {kv} lists {len(getattr(self, kv))} addresses "
+                                f"for {len(getattr(self, role))} {role} instances")
 
 
 @dataclasses.dataclass

@@ -32,6 +32,10 @@ class ServiceMetrics:
         self.sequences = Gauge("pddjax_engine_sequences", "sequences on the engine", registry=r)
         self.steps = Gauge("pddjax_engine_steps_total", "engine steps run", registry=r)
         self.queue_depth = Gauge("pddjax_engine_queue_depth", "commands waiting for the engine thread", registry=r)
+        self.compiles = Gauge("pddjax_jit_compiles", "jitted step / KV copy variants built in this process",
+                              registry=r)
+        self.executables = Gauge("pddjax_jit_executables", "jitted step / KV copy variants held in memory now",
+                                 registry=r)
         self.url: str | None = None
 
     def serve_http(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -48,3 +52,5 @@ class ServiceMetrics:
         self.sequences.set(snap["sequences"])
         self.steps.set(snap["steps"])
         self.queue_depth.set(snap["queue_depth"])
+        self.compiles.set(snap.get("compiles", 0))
+        self.executables.set(snap.get("executables", 0))

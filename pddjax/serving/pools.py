@@ -39,7 +39,7 @@ class NoInstance(Exception):
 class Instance:
     role: str
     address: str
-    wan_address: str = ""  # MD: how P and RLD reach it (through the WAN link)
+    kv_address: str = ""  # how peers reach it with KV and handoffs (MD: through the WAN link)
     healthy: bool = True
     inflight: int = 0  # requests through this router now
     pages_active: int = 0  # as the instance last reported (Info)
@@ -52,10 +52,10 @@ class Instance:
 
 
 class Pool:
-    def __init__(self, role: str, addresses: list[str], wan_addresses: list[str] | None = None):
-        wan = wan_addresses or addresses
+    def __init__(self, role: str, addresses: list[str], kv_addresses: list[str] | None = None):
+        kv = kv_addresses or addresses
         self.role = role
-        self.instances = [Instance(role, a, w) for a, w in zip(addresses, wan)]
+        self.instances = [Instance(role, a, k) for a, k in zip(addresses, kv)]
         self._turn = itertools.count()
 
     def healthy(self, exclude=()) -> list[Instance]:

@@ -55,7 +55,7 @@ class RouterService(Choosing, Transfers, router_pb2_grpc.RouterServicer):
         s = self.s = settings
         self.cfg, self.tok = model_config, tokenizer
         self._bg: set[asyncio.Task] = set()
-        self.pools = {"prefill": pools.Pool("prefill", s.prefill), "relay": pools.Pool("relay", s.relay),
+        self.pools = {"prefill": pools.Pool("prefill", s.prefill), "relay": pools.Pool("relay", s.relay, s.relay_kv or s.relay),
                       "main": pools.Pool("main", s.main, s.main_wan or s.main)}
         self.affinity = {r: pools.Affinity() for r in self.pools}
         self.policy = PolicyConfig(ttft_budget_s=s.ttft_budget_ms / 1e3, filter_cap=s.filter_cap,
@@ -203,17 +203,18 @@ class RouterService(Choosing, Transfers, router_pb2_grpc.RouterServicer):
                 expiry = asyncio.get_running_loop().call_later(dl.remaining(), _expire, relay_q, main_q)
             if use_rld:
                 call = self._stub(pl.rld).Decode(cluster_pb2.DecodeRequest(request_id=rid), timeout=dl.timeout())
-                tasks.append(asyncio.create_task(_pump(call, relay_q, "relay", self._relay_lost(rid, md, st)
-                                                       if pipeline == P.PIPELINE_PDD else None)))
+                st.relay_pump = asyncio.create_task(_pump(call, relay_q, "relay", self._relay_lost(rid, md, st)
+                                                          if pipeline == P.PIPELINE_PDD else None))
+                tasks.append(st.relay_pump)
             if use_md:
                 call = self._stub(md).Decode(cluster_pb2.DecodeRequest(request_id=rid), timeout=dl.timeout())
                 tasks.append(asyncio.create_task(_pump(call, main_q, "main")))
             targets = []
             if use_rld:
-                targets.append(cluster_pb2.KVTarget(address=pl.rld.address, start=st.cached_rld, role=P.ROLE_RELAY,
+                targets.append(cluster_pb2.KVTarget(address=pl.rld.kv_address, start=st.cached_rld, role=P.ROLE_RELAY,
                                                     include_first_token=True))
             if use_md:
-                targets.append(cluster_pb2.KVTarget(address=md.wan_address, start=st.cached_md, role=P.ROLE_MAIN,
+                targets.append(cluster_pb2.KVTarget(address=md.kv_address, start=st.cached_md, role=P.ROLE_MAIN,
                                                     include_first_token=not use_rld))
                 st.link, st.planned = self._link(md), (len(prompt) - st.cached_md) * await self._kv_bytes(pl.p)
                 st.link.start(st.planned)

@@ -10,6 +10,9 @@
   chunk refused as DATA_LOSS): `main_transfer` counts it (transfer_failed.main.CODE), logs it,
   and an UNAVAILABLE MD leaves the rotation at once (the health loop brings it back). pdd: no
   handoff, RLD finishes the request; pd-cross: the request fails with that status.
+- P's KV push to RLD fails in pdd (RLD refused a corrupted chunk, the connection broke) while
+  MD's arrives: RLD never decodes without its KV, so `relay_kv_failed` stops forwarding RLD's
+  stream and MD takes the request from P's first token (as below; counted relay_kv_failed).
 - RLD's stream breaks in pdd (RLD killed): `take_over` waits until P reports MD's KV (or its
   failure), then the router itself sends MD the final token-ID handoff: output positions from 0,
   the tokens the user already has (P's first token if none). MD keys handoffs by (request,
@@ -78,3 +81,19 @@ async def take_over(router, rid: str, md, st, seen: list[int]):
           flush=True)
     return cluster_pb2.TokenBatch(start_position=len(seen), token_ids=toks[len(seen):], handed_off=True,
                                   handed_off_at=len(toks))
+
+
+async def relay_kv_failed(router, rid: str, md, st, err, relay_q) -> None:
+    """P reported that RLD's KV did not arrive (pdd): MD takes over from P's first token, or
+    the push's error stands. RLD's Decode stream is no longer forwarded (the router releases
+    RLD when the request ends)."""
+    if st.relay_lost:  # RLD's stream broke first: its on_error is taking over already
+        return
+    if st.relay_pump is not None:
+        st.relay_pump.cancel()  # not inside take_over (relay_lost would be set): safe to cancel
+    router.counters[f"relay_kv_failed.{err.code.name}"] += 1
+    print(f"router: {rid}: KV to RLD failed ({err.code.name}: {err.message}); MD takes over", file=sys.stderr,
+          flush=True)
+    got = await take_over(router, rid, md, st, [])
+    relay_q.put_nowait(got if isinstance(got, cluster_pb2.TokenBatch)
+                       else type(err)(err.code, f"{err.message}; {got}", err.stage))

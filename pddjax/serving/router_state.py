@@ -64,6 +64,7 @@ class _State:
         self.first_token = None  # P's (router_recovery: MD taking over before RLD sent any token)
         self.md_kv, self.md_kv_ok = asyncio.Event(), False  # P reported MD's KV transfer (delivered?)
         self.relay_lost = False  # RLD's stream broke: MD took over (or tried); no RLD handoff
+        self.relay_pump = None  # the task forwarding RLD's Decode stream (pdd, pd-local)
         self.p_tried, self.p_extra = [], []  # P instances that failed / replaced them (router_recovery)
 
 

@@ -27,7 +27,7 @@ class Transfers:
                 cached = (await md.Reserve(cluster_pb2.ReserveRequest(spec=sspec, use_cache=True))).cached_tokens
                 planned = (len(context) - cached) * await self._kv_bytes(p_inst)
                 link.start(planned)
-                target = cluster_pb2.KVTarget(address=md_inst.wan_address, start=cached, role=P.ROLE_MAIN)
+                target = cluster_pb2.KVTarget(address=md_inst.kv_address, start=cached, role=P.ROLE_MAIN)
                 async for ev in p.Prefill(cluster_pb2.PrefillRequest(spec=sspec, targets=[target],
                                                                      chunk_bytes=self.s.chunk_bytes)):
                     if ev.HasField("transfer_done"):
@@ -63,7 +63,14 @@ class Transfers:
                         reported.add(d.role)
                         if d.role == P.ROLE_RELAY:
                             st.bytes_rld = d.bytes
-                            if err:
+                            if err and pipeline == P.PIPELINE_PDD and md is not None \
+                                    and d.code != grpc.StatusCode.FAILED_PRECONDITION.value[0]:
+                                # RLD never got its KV (it decodes nothing without it): MD serves it
+                                # all, unless RLD's broken stream made MD take over already
+                                if not st.relay_lost:
+                                    tasks.append(asyncio.create_task(router_recovery.relay_kv_failed(
+                                        self, rid, md, st, err, relay_q)))
+                            elif err:
                                 relay_q.put_nowait(err)
                             continue
                         st.bytes_md, st.md_ms = d.bytes, d.ms
@@ -101,7 +108,7 @@ class Transfers:
     async def _handoff(self, rld, md, rid, mode, st):
         try:
             r = await self._stub(rld).Handoff(cluster_pb2.HandoffRequest(
-                request_id=rid, main_address=md.wan_address, mode=mode, threshold=self.s.handoff_threshold),
+                request_id=rid, main_address=md.kv_address, mode=mode, threshold=self.s.handoff_threshold),
                 timeout=st.deadline.timeout())
             if r.handed_off:
                 st.handoff_tokens, st.handoff_chunks = r.tokens, r.chunks

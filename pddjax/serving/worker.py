@@ -88,8 +88,12 @@ class EngineWorker:
 
     def snapshot(self) -> dict:
         """Engine occupancy, read on the engine thread."""
+        from pddjax.engines.step import compile_count, resident_count  # the engine's process has jax loaded
+        from pddjax.kv.canonical import compiled_variants
+
         e = self.engine
         alloc = getattr(e, "allocator", None)
         return {"pages_active": getattr(e, "num_pages_active", 0), "pages_used": alloc.num_used if alloc else 0,
                 "pages_total": alloc.capacity if alloc else 0, "sequences": len(e.seqs), "steps": self.steps,
-                "queue_depth": self._q.qsize()}
+                "queue_depth": self._q.qsize(), "compiles": compile_count() + compiled_variants(),
+                "executables": resident_count() + compiled_variants()}

@@ -45,6 +45,8 @@ def register(subparsers) -> None:
                    help="validate: the trace the benchmark replayed (default: regenerated from its JSON)")
     p.add_argument("--calibration", metavar="FILE", help="validate: host calibration (python -m pddjax.sim.calibrate)")
     p.add_argument("--host-cores", type=float, help="validate: cores the services share (default: calibration's)")
+    p.add_argument("--shared-cores", action="store_true",
+                   help="validate: model every service on all cores even if the benchmark pinned them")
     p.add_argument("--background-cores", type=float,
                    help="validate: cores other processes kept busy (default: the benchmark's record, else 0)")
     p.add_argument("--wan-gbps", type=float, help="validate: emulated WAN bandwidth (default: the benchmark's)")
@@ -104,6 +106,7 @@ def _validate(args) -> int:
         WanSettings,
         background_of,
         compare,
+        cpus_of,
         format_requests,
         format_table,
         load_measured,
@@ -130,7 +133,7 @@ def _validate(args) -> int:
             cal["background_cores"] = args.background_cores
         with open(args.engine_profile, encoding="utf-8") as f:
             perf = calibrate.profile(json.load(f), cal)
-        host = calibrate.host_config(cal)
+        host = calibrate.host_config(cal, cpus=() if args.shared_cores else cpus_of(measured))
         trace = trace_of(measured, args.trace)
     except (ValueError, OSError) as e:
         raise UserError(_sentence(str(e))) from None

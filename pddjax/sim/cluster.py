@@ -58,20 +58,22 @@ class Cluster:
         self.cfg, self.loop, self.lineage = cfg, EventLoop(), Lineage()
         self.kvb = cfg.p.perf.kv_bytes_per_token
         hc = cfg.host
-        self.host = Host(self.loop, hc.cores, hc.background_cores) if hc else None
+        self.hosts: dict[tuple[int, ...], Host] = {}  # core set -> the host its services share
+        p_host = self.host_for("prefill")
         ctx = self.mean_context = sum(r.prompt_tokens + r.output_tokens / 2 for r in trace) / len(trace)
         if hc:
-            self.P = [EnginePrefill(self.loop, f"p{i}", cfg.p.perf, self.lineage, self.host, hc,
+            self.P = [EnginePrefill(self.loop, f"p{i}", cfg.p.perf, self.lineage, p_host, hc,
                                     self._chunk, self._prefilled) for i in range(cfg.p.count)]
         else:
             self.P = [PrefillInstance(self.loop, f"p{i}", cfg.p.perf, self.lineage, self._prefilled)
                       for i in range(cfg.p.count)]
-        self._serializers = {p.name: SerialWorker(self.host, 1.0, f"{p.name}-loop") for p in self.P}
+        self._serializers = {p.name: SerialWorker(p_host, 1.0, f"{p.name}-loop") for p in self.P}
         self.fast = [fast_link(self.loop, cfg.fast_gbps, cfg.fast_latency_s) for _ in self.P]
-        self.D = [self._decode(f"d{i}", cfg.d.perf, ctx, cfg.batch_extend) for i in range(cfg.d.count)]
+        d_role = "relay" if cfg.mode == "pd-local" else "main"  # pd-local decodes on RLD's service
+        self.D = [self._decode(f"d{i}", cfg.d.perf, ctx, cfg.batch_extend, d_role) for i in range(cfg.d.count)]
         self.R: list[DecodeInstance] = []
         if cfg.mode == "pdd":
-            self.R = [self._decode(f"rld{i}", cfg.rld.perf, ctx, True) for i in range(cfg.rld.count)]
+            self.R = [self._decode(f"rld{i}", cfg.rld.perf, ctx, True, "relay") for i in range(cfg.rld.count)]
         remote = cfg.mode != "pd-local"
         self.wan = Line(self.loop, cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s, cfg.wan_sharing, cfg.seed)
         self.back = Line(self.loop, cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s, "fair", cfg.seed + 1)
@@ -101,11 +103,29 @@ class Cluster:
             self._warm(trace)
         self.n_sent = 0
 
-    def _decode(self, name: str, perf, ctx: float, batch_extend: bool) -> DecodeInstance:
+    def host_for(self, role: str) -> Host | None:
+        """The Host a service of `role` ("prefill", "relay", "main") runs on: its pinned core
+        set's (background load split by cores), or the one host of `cores` all share."""
+        hc = self.cfg.host
+        if hc is None:
+            return None
+        sets = {r: tuple(sorted(c)) for r, c in hc.cpus}
+        if role in sets:
+            key, n = sets[role], float(len(sets[role]))
+            for other in sets.values():
+                if other != key and set(other) & set(key):
+                    raise ValueError(f"pinned core sets {key} and {other} overlap without being equal")
+        else:
+            key, n = (), hc.cores
+        if key not in self.hosts:
+            self.hosts[key] = Host(self.loop, n, hc.background_cores * n / hc.cores)
+        return self.hosts[key]
+
+    def _decode(self, name: str, perf, ctx: float, batch_extend: bool, role: str) -> DecodeInstance:
         hc = self.cfg.host
         if hc:
             return DecodeInstance(self.loop, name, perf, PrefixCache(hc.kv_tokens), hc.max_rows, batch_extend,
-                                  self.host, hc.decode_cores)
+                                  self.host_for(role), hc.decode_cores)
         return DecodeInstance(self.loop, name, perf, PrefixCache(perf.kv_capacity_tokens),
                               max_batch_for(perf, ctx, self.cfg.tpot_target_s), batch_extend)
 
@@ -275,5 +295,5 @@ class Cluster:
     def check_integrity(self) -> None:
         for inst in [*self.P, *self.D, *self.R]:
             inst.check_integrity()
-        if self.host is not None:
-            self.host.check_integrity()
+        for host in self.hosts.values():
+            host.check_integrity()

@@ -57,6 +57,10 @@ class HostConfig:
     import_s_per_token: float = 0.0  # a receiver's engine thread: parse + import per token received
     unshaped_gbps: float = 1.0  # the A -> B link while the history phase replays (unshaped)
     push_window_bytes: float = 4 * 1024 * 1024  # bytes a WAN push may have unacknowledged (HTTP/2 window)
+    # Cores each service is pinned to, as `bench serve` records them: (("prefill", (0,)),
+    # ("relay", (1,)), ("main", (1,))); empty = every service shares all `cores`. Services on
+    # the same set share one Host; sets must be equal or disjoint.
+    cpus: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def kv_tokens(self) -> int:

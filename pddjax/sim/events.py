@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable
 
 EPS = 1e-9  # tolerance for float round-off in event times
@@ -52,3 +53,25 @@ class EventLoop:
     @property
     def pending(self) -> int:
         return len(self._heap)
+
+
+class OneAtATime:
+    """Items handled strictly one after another, in order: `start(item, done)` begins one and
+    calls `done()` when it has finished; the next starts then (a thread's queue, a sync line)."""
+
+    def __init__(self, start: Callable[[object, Callable[[], None]], None]):
+        self._start = start
+        self._q: deque = deque()
+        self.busy = False
+
+    def push(self, item) -> None:
+        self._q.append(item)
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        if not self._q:
+            self.busy = False
+            return
+        self.busy = True
+        self._start(self._q.popleft(), self._next)

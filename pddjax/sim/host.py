@@ -20,7 +20,7 @@ import heapq
 import itertools
 from collections.abc import Callable
 
-from pddjax.sim.events import EPS, EventLoop, SimError
+from pddjax.sim.events import EPS, EventLoop, OneAtATime, SimError
 
 
 class Job:
@@ -118,25 +118,14 @@ class SerialWorker:
 
     def __init__(self, host: Host | None, cores: float = 1.0, name: str = ""):
         self.host, self.cores, self.name = host, cores, name
-        self._q: list[tuple[float, Callable[[], None]]] = []
-        self._busy = False
+        self._queue = OneAtATime(self._start)
 
     def run(self, work_s: float, fn: Callable[[], None]) -> None:
         if self.host is None:
             fn()
-            return
-        self._q.append((work_s, fn))
-        if not self._busy:
-            self._next()
+        else:
+            self._queue.push((work_s, fn))
 
-    def _next(self) -> None:
-        if not self._q:
-            self._busy = False
-            return
-        work, fn = self._q.pop(0)
-        self._busy = True
-        self.host.run(work, self.cores, lambda: self._done(fn), self.name)
-
-    def _done(self, fn: Callable[[], None]) -> None:
-        fn()
-        self._next()
+    def _start(self, item: tuple[float, Callable[[], None]], done: Callable[[], None]) -> None:
+        work, fn = item
+        self.host.run(work, self.cores, lambda: (fn(), done()), self.name)

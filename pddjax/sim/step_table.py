@@ -111,7 +111,8 @@ def trace_keys(measured_path: str, trace_path: str | None, engine_json: dict, ca
     wan = validate.wan_of(meas)
     if wan is None:
         raise ValueError(f"{measured_path} records no emulated WAN")
-    pred = validate.predict(calibrate.profile(engine_json, cal), wan, calibrate.host_config(cal), trace,
+    host = calibrate.host_config(cal, cpus=validate.cpus_of(meas))
+    pred = validate.predict(calibrate.profile(engine_json, cal), wan, host, trace,
                             modes=validate.measured_modes(meas))
     return sorted({tuple(k) for m in pred["modes"].values() for k in m["step_shapes"]})
 

@@ -8,8 +8,7 @@ turn hits MD. Syncs run one at a time, after the user's request (low priority).
 
 from __future__ import annotations
 
-from collections import deque
-
+from pddjax.sim.events import OneAtATime
 from pddjax.sim.request import SimRequest
 from pddjax.sim.streams import KVStream
 
@@ -17,31 +16,24 @@ from pddjax.sim.streams import KVStream
 class MainSync:
     def __init__(self, cluster, router):
         self.c, self.router = cluster, router
-        self._q: deque[SimRequest] = deque()
-        self._busy = False
+        self._queue = OneAtATime(self._start)
         self.done = 0
 
     def push(self, req: SimRequest) -> None:
-        self._q.append(req)
-        if not self._busy:
-            self._next()
+        self._queue.push(req)
 
-    def _next(self) -> None:
-        if not self._q:
-            self._busy = False
-            return
-        self._busy = True
-        req = self._q.popleft()
+    def _start(self, req: SimRequest, done) -> None:
         c = self.c
         sync = SimRequest(req.tr)
         sync.prompt, sync.sync = req.prompt + req.output - 1, True
         md = sync.md_inst = req.md_inst
         md_hit = c.page_floor(c.lineage.cached_hit(md.cache, req)) if c.cfg.drc else 0
-        stream = KVStream(c, sync, md, c.wan, md_hit, self._landed, estimator=self.router.links[md.name])
+
+        def landed(s: SimRequest) -> None:
+            c.cache_on_md(s, s.md_inst, s.prompt)
+            self.done += 1
+            done()
+
+        stream = KVStream(c, sync, md, c.wan, md_hit, landed, estimator=self.router.links[md.name])
         sync.streams, sync.transfer = [stream], stream
         req.p_inst.submit(sync, md_hit, hit=c.page_floor(min(req.prompt, sync.prompt - 1)))
-
-    def _landed(self, sync: SimRequest) -> None:
-        self.c.cache_on_md(sync, sync.md_inst, sync.prompt)
-        self.done += 1
-        self._next()

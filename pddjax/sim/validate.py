@@ -71,6 +71,15 @@ def background_of(measured: dict, mode: str) -> float | None:
     return float(x) if isinstance(x, (int, float)) and x >= 0 else None
 
 
+def cpus_of(measured: dict) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The cores `bench serve` pinned each service to (its `cpus`), as HostConfig.cpus;
+    () for an unpinned run (every service shares the host)."""
+    cpus = measured.get("cpus") or {}
+    if not isinstance(cpus, dict):
+        raise ValueError("the benchmark's `cpus` is not a mapping of service to cores")
+    return tuple(sorted((str(r), tuple(int(c) for c in cs)) for r, cs in cpus.items() if cs))
+
+
 def mode_config(mode: str, perf: MeasuredInstance, wan: WanSettings, host: HostConfig,
                 router: RouterSettings = RouterSettings()) -> ClusterConfig:
     """The simulated deployment of one benchmark mode."""
@@ -121,7 +130,8 @@ def simulate_mode(mode: str, perf: MeasuredInstance, wan: WanSettings, host: Hos
         "history_s": cl.t0,
         "new_step_shapes": cl.new_shapes(),
         "step_shapes": sorted({k for i in [*cl.P, *cl.D, *cl.R] for k in cl.step_model(i).shapes}),
-        "host_utilization": cl.host.busy_s / (cl.loop.now * cl.host.cores) if cl.loop.now else 0.0,
+        "host_utilization": (sum(h.busy_s for h in cl.hosts.values())
+                             / (cl.loop.now * sum(h.cores for h in cl.hosts.values())) if cl.loop.now else 0.0),
         "requests": [{"request_id": r.rid, "pipeline": BENCH_PIPELINE[r.pipeline], "ttft_ms": 1e3 * r.ttft,
                       "send_s": r.arrival - cl.t0, "queue_s": r.prefill_start - r.arrival,
                       "prefill_s": r.prefill_end - r.prefill_start, "p_hit": r.p_hit, "md_hit": r.md_hit,
