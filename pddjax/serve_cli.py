@@ -96,6 +96,9 @@ def run_serve(args) -> int:
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps every thread's stack to stderr
     except (AttributeError, ValueError, OSError):
         pass
+    from pddjax import memdiag
+
+    memdiag.install(args.role)  # PDDJAX_TRACEMALLOC=N: `kill -USR2 PID` prints heap growth
     asyncio.run(serve(cfg, args.ready_file))
     return 0
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from pddjax.serving import bench_figures as bf
 from pddjax.serving import bench_serve as bs
 from pddjax.workload import WorkloadConfig, generate, write_trace
 
@@ -72,17 +73,17 @@ def rec(rid, toks, ttft=100.0, relay=0, pipeline="pd-cross"):
 def test_figures_identity_and_targets_by_hand():
     a = [rec("r1", [1, 2, 3], 100), rec("r2", [4, 5], 300, relay=1, pipeline="pdd")]
     b = [rec("r1", [1, 2, 3], 500), rec("r2", [4, 6], 900)]
-    m = bs.mode_figures(a, 2.0, 1000, 10)
+    m = bf.mode_figures(a, 2.0, 1000, 10)
     assert m["ttft_ms"]["max"] == 300 and m["ttft_ms"]["p50"] == 200
     assert m["rld_token_share"] == 0.2 and m["pipelines"] == {"pd-cross": 1, "pdd": 1}
-    ident = bs.identity_check({"pdd": a, "pd-cross": b})
+    ident = bf.identity_check({"pdd": a, "pd-cross": b})
     assert not ident["identical"] and ident["mismatches"][0] == {"mode": "pd-cross", "request_id": "r2",
                                                                   "first_diff": 1, "against": "pdd"}
-    t = bs.targets({"pdd": m, "pd-cross": bs.mode_figures(b, 2.0, 1000, 0), "pd-local": m,
+    t = bf.targets({"pdd": m, "pd-cross": bf.mode_figures(b, 2.0, 1000, 0), "pd-local": m,
                     "pdd-drc-off": {**m, "wan_bytes": 6000}})
     assert t["pdd_p99_over_pd_local"]["met"] and t["wan_bytes_delivered_drc_off_over_on"]["value"] == 6.0
     assert t["pdd_p99_over_pd_cross"]["met"] == (t["pdd_p99_over_pd_cross"]["value"] <= 0.5)
-    assert math.isnan(bs.pct([])["p50"] or math.nan)
+    assert math.isnan(bf.pct([])["p50"] or math.nan)
 
 
 def test_drc_target_counts_kv_the_requests_put_on_the_line():
@@ -92,9 +93,9 @@ def test_drc_target_counts_kv_the_requests_put_on_the_line():
     for r in on[:2]:
         r.cached_on_main = 90
     off = [rec("r1", [1], pipeline="pdd"), rec("r2", [2], pipeline="pd-local"), rec("r3", [3], pipeline="pdd")]
-    m_on, m_off = bs.mode_figures(on, 1.0, 500, 0), bs.mode_figures(off, 1.0, 600, 0)
+    m_on, m_off = bf.mode_figures(on, 1.0, 500, 0), bf.mode_figures(off, 1.0, 600, 0)
     assert m_on["kv_tokens_to_main"] == 20 and m_off["kv_tokens_to_main"] == 200
-    t = bs.targets({"pdd": m_on, "pdd-drc-off": m_off}, {"pdd": on, "pdd-drc-off": off})
+    t = bf.targets({"pdd": m_on, "pdd-drc-off": m_off}, {"pdd": on, "pdd-drc-off": off})
     assert t["wan_kv_drc_off_over_on"] == {"value": 10.0, "target": ">= 5", "met": True}  # r1 only: 100 / 10
     assert t["wan_kv_all_requests_drc_off_over_on"]["value"] == 10.0  # 200 / 20
     assert t["wan_bytes_delivered_drc_off_over_on"]["value"] == 1.2

@@ -343,3 +343,14 @@ def test_validation_reads_the_benchmarks_pinning():
 
     assert cpus_of({"cpus": {"prefill": [0], "relay": [1], "main": [1]}}) == PINNED
     assert cpus_of({"cpus": None}) == () and cpus_of({}) == ()
+
+
+def test_host_accounts_cpu_seconds_per_owner():
+    """Two one-core jobs on one core: each runs at half speed and is charged its own work."""
+    loop = EventLoop()
+    h = Host(loop, 1.0)
+    h.run(1.0, 1.0, lambda: None, "a")
+    h.run(2.0, 1.0, lambda: None, "b")
+    loop.run()
+    assert loop.now == pytest.approx(3.0)
+    assert h.usage() == pytest.approx({"a": 1.0, "b": 2.0})

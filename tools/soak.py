@@ -17,6 +17,7 @@ import concurrent.futures
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -70,6 +71,8 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--abort-share", type=float, default=0.3)
     ap.add_argument("--json")
+    ap.add_argument("--tracemalloc", metavar="ROLE", help="trace Python heap growth of ROLE's service "
+                    "(PDDJAX_TRACEMALLOC; a report per sample, printed at the end)")
     args = ap.parse_args()
     configure()
     tiny = load_model("tiny")
@@ -77,6 +80,8 @@ def main() -> int:
     stop_at = time.monotonic() + 60 * args.minutes
     counts = {"completed": 0, "aborted": 0, "mismatched": 0, "errors": 0}
     lock = threading.Lock()
+    if args.tracemalloc:
+        os.environ["PDDJAX_TRACEMALLOC"], os.environ["PDDJAX_TRACEMALLOC_ROLE"] = "6", args.tracemalloc
     with tempfile.TemporaryDirectory() as d:
         stack = Stack(STACK, d)
         try:
@@ -114,7 +119,7 @@ def main() -> int:
                     context = prompt + toks
                 c.close()
 
-            t0 = time.monotonic()
+            t0, last_report = time.monotonic(), -60.0
             with concurrent.futures.ThreadPoolExecutor(args.sessions) as pool:
                 futs = [pool.submit(session, i) for i in range(args.sessions)]
                 while not all(f.done() for f in futs):
@@ -123,6 +128,9 @@ def main() -> int:
                                     **{f"{r}_compiles": gauge(u) for r, u in urls.items()},
                                     **{f"{r}_held": gauge(u, "pddjax_jit_executables") for r, u in urls.items()}, **dict(counts)})
                     print(json.dumps(samples[-1]), flush=True)
+                    if args.tracemalloc and samples[-1]["t_s"] - last_report >= 25:  # snapshots are slow
+                        last_report = samples[-1]["t_s"]
+                        os.kill(pids[args.tracemalloc], signal.SIGUSR2)
                 for f in futs:
                     f.result()
             assert_idle(stack, timeout=30)
@@ -130,6 +138,10 @@ def main() -> int:
                    "idle_after": True}
         finally:
             stack.close()
+            if args.tracemalloc:
+                with open(os.path.join(d, "services.log"), errors="replace") as f:
+                    report = [ln for ln in f if ln.startswith(("memdiag", "  "))]
+                print("".join(report[-400:]))
     print(json.dumps(out["counts"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -103,8 +103,9 @@ def _fill(rec: Record, res, times: list, sent: float) -> None:
 
 
 def replay(router: str, trace, pipeline: str, builder, handoff: str | None, label: str, timeout: float = 900.0,
-           before_measure: Callable[[], str | None] | None = None) -> tuple[list[Record], float, list[Record]]:
-    """Replay `trace` against `router` -> (measured records, measured wall time, history records)."""
+           before_measure: Callable[[], str | None] | None = None) -> tuple[list[Record], float, list[Record], float]:
+    """Replay `trace` against `router` -> (measured records, measured wall time, history records,
+    history wall time: its first send to its last token, without `before_measure`)."""
     from pddjax.serving.client import Client, RouterError, make_request
 
     sessions: dict[int, list] = {}
@@ -172,6 +173,7 @@ def replay(router: str, trace, pipeline: str, builder, handoff: str | None, labe
 
     try:
         history = run_phase("history", lambda r: r.arrival_s < 0, False, f"{label} (hist)")
+        history_wall = time.perf_counter() - clock["t0"]
         new_router = before_measure() if before_measure is not None else None
         if new_router and new_router != router:
             clients.append(Client(new_router))
@@ -182,7 +184,7 @@ def replay(router: str, trace, pipeline: str, builder, handoff: str | None, labe
         for c in clients:
             c.close()
     records.sort(key=lambda r: (r.send_s, r.request_id))
-    return records, wall, history
+    return records, wall, history, history_wall
 
 
 def warmup(router: str, pipelines: list[str], vocab: int, prompt_len: int, handoff: str | None,

@@ -103,6 +103,19 @@ class Cluster:
             self._warm(trace)
         self.n_sent = 0
 
+    def busy_by_owner(self) -> dict[str, float]:
+        """CPU seconds each owner (p0, p0-loop, d0, rld0) used on its host so far."""
+        out: dict[str, float] = {}
+        for h in self.hosts.values():
+            for k, v in h.usage().items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def measured_cpu_s(self) -> dict[str, float]:
+        """CPU seconds per owner since the measured phase began (t0)."""
+        before = getattr(self, "_busy_t0", {})
+        return {k: v - before.get(k, 0.0) for k, v in self.busy_by_owner().items()}
+
     def host_for(self, role: str) -> Host | None:
         """The Host a service of `role` ("prefill", "relay", "main") runs on: its pinned core
         set's (background load split by cores), or the one host of `cores` all share."""
@@ -169,6 +182,7 @@ class Cluster:
                     self._schedule(turns[0], 0.0)
             self.loop.run()
             self.t0 = self.loop.now
+            self._busy_t0 = self.busy_by_owner()
             self.shapes_before = {i.name: set(self.step_model(i).shapes) for i in [*self.P, *self.D, *self.R]}
             self.router.restart()  # bench serve restarts the router: fresh link estimates
             self.wan.set_rate(cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s)

@@ -45,6 +45,7 @@ class Host:
         self._seq = itertools.count()
         self._version = 0
         self.busy_s = 0.0  # integral of the cores in use over time
+        self.busy_by: dict[str, float] = {}  # the same, per job owner (CPU seconds each service used)
         self.jobs_run = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -57,6 +58,11 @@ class Host:
         """How many times slower than alone a job would run if `extra_cores` more were asked."""
         d = self._demand + self.background + extra_cores
         return max(1.0, d / self.cores)
+
+    def usage(self) -> dict[str, float]:
+        """CPU seconds per job owner up to now."""
+        self._advance()  # the pending completion stays valid: the rate has not changed
+        return dict(self.busy_by)
 
     @property
     def running(self) -> int:
@@ -80,8 +86,11 @@ class Host:
     def _advance(self) -> None:
         now = self.loop.now
         if self._jobs:
-            self._v += (now - self._t) * self.rate()
+            rate = self.rate()
+            self._v += (now - self._t) * rate
             self.busy_s += (now - self._t) * min(self._demand, self.cores)
+            for _, _, job in self._jobs:
+                self.busy_by[job.owner] = self.busy_by.get(job.owner, 0.0) + (now - self._t) * job.cores * rate
         self._t = now
 
     def _reschedule(self) -> None:

@@ -127,15 +127,19 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--reuse", metavar="FILE", help="a step table JSON whose shapes are kept, not measured again")
     ap.add_argument("--stop-if-exists", metavar="FILE", help="stop early once FILE exists (the machine got busy)")
     args = ap.parse_args(argv)
     cal = calibrate.load(args.calibration) if args.calibration else dict(calibrate.DEFAULT)
     with open(args.engine_profile, encoding="utf-8") as f:
         engine_json = json.load(f)
     keys = trace_keys(args.measured, args.trace, engine_json, cal)
-    print(f"{len(keys)} step shapes", flush=True)
+    kept = calibrate.load(args.reuse).get("step_table", []) if args.reuse else []
+    known = {tuple(row[:4]) for row in kept}
+    todo = [k for k in keys if k not in known]
+    print(f"{len(keys)} step shapes, {len(keys) - len(todo)} of them reused", flush=True)
     stop = (lambda: os.path.exists(args.stop_if_exists)) if args.stop_if_exists else None
-    out = {**cal, "step_table": measure(keys, args.model, args.repeats, stop)}
+    out = {**cal, "step_table": sorted(kept + measure(todo, args.model, args.repeats, stop))}
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out["step_table"]))

@@ -130,6 +130,7 @@ def simulate_mode(mode: str, perf: MeasuredInstance, wan: WanSettings, host: Hos
         "history_s": cl.t0,
         "new_step_shapes": cl.new_shapes(),
         "step_shapes": sorted({k for i in [*cl.P, *cl.D, *cl.R] for k in cl.step_model(i).shapes}),
+        "cpu_s": _cpu_by_role(cl.measured_cpu_s(), mode),
         "host_utilization": (sum(h.busy_s for h in cl.hosts.values())
                              / (cl.loop.now * sum(h.cores for h in cl.hosts.values())) if cl.loop.now else 0.0),
         "requests": [{"request_id": r.rid, "pipeline": BENCH_PIPELINE[r.pipeline], "ttft_ms": 1e3 * r.ttft,
@@ -137,6 +138,16 @@ def simulate_mode(mode: str, perf: MeasuredInstance, wan: WanSettings, host: Hos
                       "prefill_s": r.prefill_end - r.prefill_start, "p_hit": r.p_hit, "md_hit": r.md_hit,
                       "prompt": r.prompt, "output": r.output, "rld_tokens": r.rld_tokens} for r in reqs],
     }
+
+
+def _cpu_by_role(by_owner: dict[str, float], mode: str) -> dict[str, float]:
+    """Owners (p0, p0-loop, d0, rld0) -> the services `bench serve` records CPU time for."""
+    d_role = "relay" if mode == "pd-local" else "main"
+    out: dict[str, float] = {}
+    for owner, s in by_owner.items():
+        role = "prefill" if owner.startswith("p") else "relay" if owner.startswith("rld") else d_role
+        out[role] = round(out.get(role, 0.0) + s, 2)
+    return out
 
 
 def predict(perf: MeasuredInstance, wan: WanSettings, host: HostConfig, trace: list[TraceRequest],
