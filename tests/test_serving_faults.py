@@ -416,13 +416,24 @@ def test_prefill_killed_router_retries_then_unavailable(stack, ref):
     stack.set_links(mbps=0.5)  # P is still pushing MD's KV when it dies
     try:
         p = prompt(150, 60)
-        r = run(stack, make_request(p, max_tokens=300, pipeline="pdd", ignore_eos=True),
-                on_message=_kill_after(stack, "P", 1))
+        kill, load = _kill_after(stack, "P", 1), []
+
+        def on_message(r):
+            kill(r)
+            if getattr(r, "killed", None) and not load:  # once the router has retried: the replacement carries the load
+                st = stack.stats()
+                if st["counters"].get("retry.prefill"):
+                    load.extend(i["inflight"] for i in st["instances"]
+                                if i["role"] == "prefill" and i["address"] != r.killed)
+        r = run(stack, make_request(p, max_tokens=300, pipeline="pdd", ignore_eos=True), on_message=on_message)
     finally:
         stack.set_links()
     assert r.code is None, (r.code, r.details)
     assert r.tokens == ref(p, 300)
-    assert stack.stats()["counters"].get("retry.prefill", 0) >= 1
+    stats = stack.stats()
+    assert stats["counters"].get("retry.prefill", 0) >= 1
+    assert load == [1]  # the replacement P counted this request while serving it...
+    assert all(i["inflight"] == 0 for i in stats["instances"]), stats["instances"]  # ...and gave it back
     (last,) = stack.live("prefill")
     stack.kill(last)
     for pipeline in ("pd-cross", "pdd"):

@@ -101,3 +101,28 @@ def test_plan_small_model_runs(tmp_path, capsys):
     plans = json.loads(out.read_text())["plans"]
     assert set(plans) == {"pd-local", "pd-cross", "pdd"} and all(p["feasible"] for p in plans.values())
     assert plans["pdd"]["deployment"]["RLD"]["count"] >= 1
+
+
+def test_validate_against_several_runs_uses_their_median_and_shows_each(tmp_path, capsys):
+    """Runs of one trace: measured = the median of the runs' P50 / P99, each run's value and the
+    spread printed; a run of another setup is refused with a sentence."""
+    engine = tmp_path / "e.json"
+    engine.write_text(json.dumps(ENGINE))
+    paths = []
+    for i, scale in enumerate((1.0, 2.0, 1.5)):
+        run = json.loads(json.dumps(MEASURED))
+        for fig in run["modes"].values():
+            fig["ttft_ms"] = {k: v * scale for k, v in fig["ttft_ms"].items()}
+        paths.append(tmp_path / f"m{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    out = tmp_path / "v.json"
+    argv = ["sim", "--scenario", "validate", "--engine-profile", str(engine), "--measured", *map(str, paths)]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert "300 / 600 / 450 | 67% |" in capsys.readouterr().out  # pdd p50 of the three runs; (max - min) / median
+    rows = {(r["mode"], r["stat"]): r for r in json.loads(out.read_text())["rows"]}
+    assert rows[("pdd", "p50")]["measured_ms"] == 450 and rows[("pd-local", "p99")]["measured_ms"] == 1350
+    other = json.loads(json.dumps(MEASURED))
+    other["wan"]["mbps"] = 40.0
+    paths[1].write_text(json.dumps(other))
+    assert main(argv) == 2
+    assert "differs from run 1 in 'wan'" in capsys.readouterr().err

@@ -161,7 +161,7 @@ class RouterService(Choosing, Transfers, router_pb2_grpc.RouterServicer):
         relay_q: asyncio.Queue = asyncio.Queue()
         main_q: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
-        held = [pl.p] + ([pl.rld] if use_rld else [])  # instances this request loads (inflight)
+        held = st.held = [pl.p] + ([pl.rld] if use_rld else [])  # instances this request loads (inflight)
         for inst in held:
             inst.inflight += 1
         md, finished, prefill = None, False, None

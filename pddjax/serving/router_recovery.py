@@ -43,6 +43,9 @@ def next_prefill(router, failed, error: grpc.aio.AioRpcError, st):
         return None
     router.counters["retry.prefill"] += 1
     st.p_extra.append(nxt)
+    if not st.finished:  # the replacement now carries this request's load (released with the rest)
+        nxt.inflight += 1
+        st.held.append(nxt)
     print(f"router: P {failed.address} failed ({error.code().name}); prefill retried on {nxt.address}",
           file=sys.stderr, flush=True)
     return nxt

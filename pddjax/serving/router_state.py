@@ -66,6 +66,7 @@ class _State:
         self.relay_lost = False  # RLD's stream broke: MD took over (or tried); no RLD handoff
         self.relay_pump = None  # the task forwarding RLD's Decode stream (pdd, pd-local)
         self.p_tried, self.p_extra = [], []  # P instances that failed / replaced them (router_recovery)
+        self.held: list = []  # instances this request loads (their `inflight` counts it) until it settles
 
 
 def _expire(*queues) -> None:

@@ -39,7 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2, help="processes for independent runs (default 2)")
     p.add_argument("--model", default="flagship-50k", help="model profile (paper scenario)")
-    p.add_argument("--measured", metavar="FILE", help="validate: the benchmark's JSON")
+    p.add_argument("--measured", metavar="FILE", nargs="+",
+                   help="validate: the benchmark's JSON; several runs of one trace: compared with their median")
     p.add_argument("--engine-profile", metavar="FILE", help="validate: `pddjax bench engine --json` output")
     p.add_argument("--trace", metavar="FILE",
                    help="validate: the trace the benchmark replayed (default: regenerated from its JSON)")
@@ -106,6 +107,7 @@ def _validate(args) -> int:
         WanSettings,
         background_of,
         compare,
+        combine,
         cpus_of,
         format_requests,
         format_table,
@@ -118,14 +120,15 @@ def _validate(args) -> int:
         wan_of,
     )
 
-    if not args.measured or not Path(args.measured).is_file():
-        raise UserError("no measured benchmark file: run `pddjax bench serve --quick --json FILE` "
-                        "and pass it with --measured FILE.")
+    missing = [m for m in args.measured or [] if not Path(m).is_file()]
+    if not args.measured or missing:
+        raise UserError(f"no measured benchmark file{' ' + missing[0] if missing else ''}: run `pddjax bench serve "
+                        "--quick --json FILE` and pass it with --measured FILE.")
     if not args.engine_profile or not Path(args.engine_profile).is_file():
         raise UserError("no engine profile: run `pddjax bench engine --json FILE` and pass it "
                         "with --engine-profile FILE.")
     try:
-        measured = load_measured(args.measured)
+        measured = combine([load_measured(m) for m in args.measured])
         cal = calibrate.load(args.calibration) if args.calibration else dict(calibrate.DEFAULT)
         if args.host_cores is not None:
             cal["cores"] = args.host_cores

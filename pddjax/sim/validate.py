@@ -163,6 +163,13 @@ def predict(perf: MeasuredInstance, wan: WanSettings, host: HostConfig, trace: l
     return {"modes": out}
 
 
+def combine(runs: list[dict]) -> dict:
+    """Several runs of one trace as one measurement (`runs.py`)."""
+    from pddjax.sim.runs import combine as _combine
+
+    return _combine(runs)
+
+
 def load_measured(path: str | Path) -> dict:
     """Read and check the benchmark JSON; ValueError with a sentence if it is unusable."""
     with open(path, encoding="utf-8") as f:
@@ -221,7 +228,8 @@ def compare(predicted: dict, measured: dict) -> list[dict]:
             m = float(measured["modes"][mode]["ttft_ms"][stat])
             err = (p - m) / m if m else float("inf")
             rows.append({"mode": mode, "stat": stat, "predicted_ms": p, "measured_ms": m,
-                         "error": err, "ok": abs(err) <= TOLERANCE})
+                         "error": err, "ok": abs(err) <= TOLERANCE,
+                         "runs": measured["modes"][mode].get("ttft_runs", {}).get(stat)})
     return rows
 
 
@@ -253,11 +261,16 @@ def per_request(predicted: dict, measured: dict, mode: str) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of `compare` rows."""
-    lines = ["| mode | TTFT | predicted ms | measured ms | error | within 25% |",
-             "|---|---|---:|---:|---:|---|"]
+    runs = any(r.get("runs") for r in rows)  # several runs: measured = their median; show each
+    lines = ["| mode | TTFT | predicted ms | measured ms | error | within 25% |" + (" runs (ms) | run spread |" if runs else ""),
+             "|---|---|---:|---:|---:|---|" + ("---|---:|" if runs else "")]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['stat']} | {r['predicted_ms']:.0f} | {r['measured_ms']:.0f} | "
-                     f"{100 * r['error']:+.0f}% | {'yes' if r['ok'] else 'NO'} |")
+        line = (f"| {r['mode']} | {r['stat']} | {r['predicted_ms']:.0f} | {r['measured_ms']:.0f} | "
+                f"{100 * r['error']:+.0f}% | {'yes' if r['ok'] else 'NO'} |")
+        if runs and r.get("runs"):
+            xs = r["runs"]
+            line += f" {' / '.join(f'{x:.0f}' for x in xs)} | {100 * (max(xs) - min(xs)) / r['measured_ms']:.0f}% |"
+        lines.append(line)
     return "\n".join(lines)
 
 
