@@ -53,6 +53,24 @@ def test_continuous_batching_matches_reference(tiny, ref, params):
     assert eng.num_pages_active == 0
 
 
+@pytest.mark.parametrize("pad_limit", [1.5, 0.0])
+def test_a_long_prompt_row_does_not_pad_a_short_one(tiny, ref, pad_limit):
+    """Prompt rows share a step only while its padded query block stays within pad_limit x T:
+    a 5-token prompt runs alone rather than padded to a 59-token chunk of a long one (without
+    the limit they share step 1). Tokens are the reference's either way."""
+    eng = engine(tiny, pad_limit=pad_limit)
+    short, long_ = prompt(5, 41), prompt(150, 42)
+    eng.add("short", short, GREEDY, 4, NO_STOP)
+    eng.add("long", long_, GREEDY, 4, NO_STOP)
+    first = eng.step()
+    assert [e.seq_id for e in first] == ["short"]
+    assert eng.seqs["long"].pages.num_tokens == (0 if pad_limit else 59)
+    got = drain(eng)
+    got["short"] = [first[0].token] + got.get("short", [])
+    assert got["short"] == ref.generate(short, GREEDY, 4, NO_STOP).token_ids
+    assert got["long"] == ref.generate(long_, GREEDY, 4, NO_STOP).token_ids
+
+
 def test_late_arrival_joins_running_batch(tiny, ref):
     eng = engine(tiny)
     a, b = prompt(20, 4), prompt(9, 5)
@@ -144,7 +162,7 @@ def test_step_executables_are_bounded_and_evicted_shapes_come_back(tiny, ref):
     (least recently used evicted), and an evicted shape is rebuilt, with the same tokens."""
     cache = executables()
     saved = cache.capacity
-    cache.capacity = 2
+    cache.resize(2)
     try:
         eng = engine(tiny)
         lengths = [5, 40, 100, 5]  # distinct step shapes; the last comes back after eviction
@@ -156,7 +174,7 @@ def test_step_executables_are_bounded_and_evicted_shapes_come_back(tiny, ref):
             cache.check_integrity()
         assert cache.evicted > 0
     finally:
-        cache.capacity = saved
+        cache.resize(saved)
 
 
 @pytest.mark.parametrize("src, dst", [(("bfloat16", 16), ("float32", 32)), (("float32", 32), ("bfloat16", 16))])

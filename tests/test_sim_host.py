@@ -70,10 +70,10 @@ def req(sid, prompt, prefix=0, turn=0, output=4):
                                    prompt, output, output))
 
 
-def prefill(host_cores=2.0, step_cores=1.0):
+def prefill(host_cores=2.0, step_cores=1.0, pad_limit=1.5):
     loop = EventLoop()
     host = Host(loop, host_cores)
-    hc = HostConfig(cores=host_cores, step_cores=step_cores, step_tokens=256, max_rows=16)
+    hc = HostConfig(cores=host_cores, step_cores=step_cores, step_tokens=256, max_rows=16, pad_limit=pad_limit)
     chunks, done = [], {}
     lin = Lineage()
     p = EnginePrefill(loop, "p0", FLAT, lin, host, hc, lambda r, a, b, last: chunks.append((r.rid, a, b, last)),
@@ -81,18 +81,27 @@ def prefill(host_cores=2.0, step_cores=1.0):
     return loop, host, p, lin, chunks, done
 
 
-def test_prefill_packs_steps_fewest_pending_first():
-    loop, _, p, lin, chunks, done = prefill()
+@pytest.mark.parametrize("pad_limit", [1.5, 0.0])
+def test_prefill_packs_steps_fewest_pending_first(pad_limit):
+    """Fewest pending first; with the engine's pad limit a long prompt row does not join a short
+    one (2 rows padded to 256 = 512 query slots > 1.5 x 256 tokens): the hot turn's 50 tokens
+    run alone, then the cold prompt in full steps. Without it they share step 1."""
+    loop, _, p, lin, chunks, done = prefill(pad_limit=pad_limit)
     cold, hot = req(1, 600), req(2, 50)
     for r in (cold, hot):
         lin.add(r.sid, 0, 0)
         p.submit(r)
     loop.run()
-    # step 1: hot's 50 + 206 of cold; steps 2, 3: 256 + 138 of cold (0.1 s each)
-    assert done == pytest.approx({"s2-t0": 0.1, "s1-t0": 0.3})
-    assert chunks == [("s2-t0", 0, 50, True), ("s1-t0", 0, 206, False), ("s1-t0", 206, 462, False),
-                      ("s1-t0", 462, 600, True)]
-    assert p.n_steps == 3
+    if pad_limit:  # steps: hot 50 | cold 256 | 256 | 88 (FLAT: 0.1 s each)
+        assert done == pytest.approx({"s2-t0": 0.1, "s1-t0": 0.4})
+        assert chunks == [("s2-t0", 0, 50, True), ("s1-t0", 0, 256, False), ("s1-t0", 256, 512, False),
+                          ("s1-t0", 512, 600, True)]
+        assert p.n_steps == 4
+    else:  # steps: hot 50 + 206 of cold | 256 | 138
+        assert done == pytest.approx({"s2-t0": 0.1, "s1-t0": 0.3})
+        assert chunks == [("s2-t0", 0, 50, True), ("s1-t0", 0, 206, False), ("s1-t0", 206, 462, False),
+                          ("s1-t0", 462, 600, True)]
+        assert p.n_steps == 3
     p.check_integrity()
 
 

@@ -45,6 +45,11 @@ class EngineConfig:
     max_step_tokens: int = 256  # token budget of one step (prefill chunks fill what is left)
     max_rows: int = 32
     prefix_cache: bool = True
+    # A step pads every row to its longest (attention runs over [B, Q] x [B, MP*S]). Prompt
+    # rows (several tokens each) join a step only while B x Q stays within pad_limit x T (all
+    # bucketed); a longer one waits for the next step. Rows of one token (decode) and the
+    # extend chunks that join them are not limited (tail chunks ride with decodes). 0 = off.
+    pad_limit: float = 1.5
 
 
 @dataclasses.dataclass
@@ -159,6 +164,8 @@ class PagedEngine:
             if len(rows) == self.config.max_rows or budget == 0:
                 break
             n = min(seq.num_pending, budget)
+            if rows and n > 1 and buckets.padded_past(self.config.pad_limit, [k for _, k in rows], n):
+                break
             rows.append((seq, n))
             budget -= n
         if not rows:

@@ -76,6 +76,16 @@ class Executables:
                         _release_jax_caches()
         return fn(*args)
 
+    def resize(self, capacity: int) -> None:
+        """Change the cap; evicts the least recently used down to it at once."""
+        if capacity < 1:
+            raise ValueError(f"the step executable cache needs room for at least 1 variant, not {capacity}")
+        with self._lock:
+            self.capacity = capacity
+            while len(self._lru) > capacity:
+                self._lru.popitem(last=False)
+                self.evicted += 1
+
     def __len__(self) -> int:
         return len(self._lru)
 

@@ -47,6 +47,7 @@ class HostConfig:
     decode_cores: float = 2.0  # cores a decode / extend step of RLD, MD keeps busy alone
     step_tokens: int = 256  # the engines' max_step_tokens
     max_rows: int = 16  # the engines' max_rows
+    pad_limit: float = 1.5  # the engines' pad_limit (prompt rows of a step: B x Q <= pad_limit x T)
     page_size: int = 16
     kv_pages: int = 1024  # KV pages per engine (P's cache, RLD's, MD's DRC share them)
     chunk_bytes: int = 2 * 1024 * 1024  # KVChunk size of P's pushes (the router's chunk_bytes)

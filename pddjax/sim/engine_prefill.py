@@ -5,7 +5,8 @@ What the real P does (pddjax/serving/prefill_service.py, engines/paged_engine.py
   hit is page-granular and leaves at least one token to compute; the cached part's KV is
   exported and streamed to the targets right away (a command on the engine thread);
 - every step packs the sequences with pending tokens, fewest pending first, up to
-  `step_tokens` tokens and `max_rows` rows (a short high-hit prompt overtakes a cold one);
+  `step_tokens` tokens and `max_rows` rows (a short high-hit prompt overtakes a cold one),
+  stopping before a prompt row that would pad the step past `pad_limit` (EngineConfig);
   after the step each row's new KV is exported and streamed (`on_chunk(req, a, b, last)`);
 - the step that finishes a prompt samples its first token; P keeps the prompt in its cache,
   and its pages stay held (leased: not evictable, though its cache serves them) until every
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from pddjax.engines.buckets import padded_past
 from pddjax.sim.cache import PrefixCache
 from pddjax.sim.config import HostConfig
 from pddjax.sim.engine_steps import StepModel
@@ -106,6 +108,8 @@ class EnginePrefill:
             if len(rows) == self.hc.max_rows or budget == 0:
                 break
             n = min(job.pending, budget)
+            if rows and n > 1 and padded_past(self.hc.pad_limit, [k for _, k in rows], n):
+                break  # the engine's pad limit: a long prompt row waits rather than pad the short ones
             rows.append((job, n))
             budget -= n
         work = self.steps.step_s(chunks=[(n, j.upto + n) for j, n in rows])
