@@ -48,13 +48,11 @@ class Executables:
     dtypes and shardings. Thread-safe (a service's engine thread and a test may share it)."""
 
     def __init__(self, capacity: int):
-        if capacity < 1:
-            raise ValueError(f"the step executable cache needs room for at least 1 variant, not {capacity}")
-        self.capacity = capacity
         self._lru: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self.built = 0  # variants compiled (or loaded from the disk cache) in this process
         self.evicted = 0
+        self.resize(capacity)
 
     def __call__(self, args: tuple, statics: dict):
         leaves, tree = jax.tree_util.tree_flatten(args)
@@ -69,11 +67,7 @@ class Executables:
             with self._lock:
                 self.built += 1
                 self._lru[key] = fn
-                while len(self._lru) > self.capacity:
-                    self._lru.popitem(last=False)
-                    self.evicted += 1
-                    if self.evicted % TRIM_EVERY == 0:
-                        _release_jax_caches()
+                self._evict_to(self.capacity)
         return fn(*args)
 
     def resize(self, capacity: int) -> None:
@@ -82,9 +76,16 @@ class Executables:
             raise ValueError(f"the step executable cache needs room for at least 1 variant, not {capacity}")
         with self._lock:
             self.capacity = capacity
-            while len(self._lru) > capacity:
-                self._lru.popitem(last=False)
-                self.evicted += 1
+            self._evict_to(capacity)
+
+    def _evict_to(self, capacity: int) -> None:
+        """Drop the least recently used variants down to `capacity` (lock held); every
+        TRIM_EVERY evictions also JAX's per-shape caches."""
+        while len(self._lru) > capacity:
+            self._lru.popitem(last=False)
+            self.evicted += 1
+            if self.evicted % TRIM_EVERY == 0:
+                _release_jax_caches()
 
     def __len__(self) -> int:
         return len(self._lru)

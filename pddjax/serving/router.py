@@ -55,8 +55,8 @@ class RouterService(Choosing, Transfers, router_pb2_grpc.RouterServicer):
         s = self.s = settings
         self.cfg, self.tok = model_config, tokenizer
         self._bg: set[asyncio.Task] = set()
-        self.pools = {"prefill": pools.Pool("prefill", s.prefill), "relay": pools.Pool("relay", s.relay, s.relay_kv or s.relay),
-                      "main": pools.Pool("main", s.main, s.main_wan or s.main)}
+        self.pools = {"prefill": pools.Pool("prefill", s.prefill), "relay": pools.Pool("relay", s.relay, s.relay_kv),
+                      "main": pools.Pool("main", s.main, s.main_wan)}
         self.affinity = {r: pools.Affinity() for r in self.pools}
         self.policy = PolicyConfig(ttft_budget_s=s.ttft_budget_ms / 1e3, filter_cap=s.filter_cap,
                                    filter_window=s.filter_window, drift_tolerance=s.drift_tolerance,

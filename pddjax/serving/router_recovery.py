@@ -28,6 +28,7 @@ import grpc
 
 from pddjax.serving import pools
 from pddjax.serving.pb import cluster_pb2
+from pddjax.serving.router_state import _Abort
 
 
 def next_prefill(router, failed, error: grpc.aio.AioRpcError, st):
@@ -99,4 +100,4 @@ async def relay_kv_failed(router, rid: str, md, st, err, relay_q) -> None:
           flush=True)
     got = await take_over(router, rid, md, st, [])
     relay_q.put_nowait(got if isinstance(got, cluster_pb2.TokenBatch)
-                       else type(err)(err.code, f"{err.message}; {got}", err.stage))
+                       else _Abort(err.code, f"{err.message}; {got}", err.stage))

@@ -65,11 +65,9 @@ class Transfers:
                             st.bytes_rld = d.bytes
                             if err and pipeline == P.PIPELINE_PDD and md is not None \
                                     and d.code != grpc.StatusCode.FAILED_PRECONDITION.value[0]:
-                                # RLD never got its KV (it decodes nothing without it): MD serves it
-                                # all, unless RLD's broken stream made MD take over already
-                                if not st.relay_lost:
-                                    tasks.append(asyncio.create_task(router_recovery.relay_kv_failed(
-                                        self, rid, md, st, err, relay_q)))
+                                # RLD never got its KV (it decodes nothing without it): MD serves it all
+                                tasks.append(asyncio.create_task(router_recovery.relay_kv_failed(
+                                    self, rid, md, st, err, relay_q)))
                             elif err:
                                 relay_q.put_nowait(err)
                             continue

@@ -103,11 +103,11 @@ def sim_handler(args) -> int:
 
 def _validate(args) -> int:
     from pddjax.sim import calibrate
+    from pddjax.sim.runs import combine
     from pddjax.sim.validate import (
         WanSettings,
         background_of,
         compare,
-        combine,
         cpus_of,
         format_requests,
         format_table,

@@ -59,6 +59,7 @@ class Cluster:
         self.kvb = cfg.p.perf.kv_bytes_per_token
         hc = cfg.host
         self.hosts: dict[tuple[int, ...], Host] = {}  # core set -> the host its services share
+        self._busy_t0: dict[str, float] = {}  # CPU seconds per owner when the measured phase began
         p_host = self.host_for("prefill")
         ctx = self.mean_context = sum(r.prompt_tokens + r.output_tokens / 2 for r in trace) / len(trace)
         if hc:
@@ -113,8 +114,7 @@ class Cluster:
 
     def measured_cpu_s(self) -> dict[str, float]:
         """CPU seconds per owner since the measured phase began (t0)."""
-        before = getattr(self, "_busy_t0", {})
-        return {k: v - before.get(k, 0.0) for k, v in self.busy_by_owner().items()}
+        return {k: v - self._busy_t0.get(k, 0.0) for k, v in self.busy_by_owner().items()}
 
     def host_for(self, role: str) -> Host | None:
         """The Host a service of `role` ("prefill", "relay", "main") runs on: its pinned core

@@ -44,8 +44,7 @@ class Host:
         self._demand = 0.0
         self._seq = itertools.count()
         self._version = 0
-        self.busy_s = 0.0  # integral of the cores in use over time
-        self.busy_by: dict[str, float] = {}  # the same, per job owner (CPU seconds each service used)
+        self.busy_by: dict[str, float] = {}  # integral of the cores in use, per job owner (CPU seconds)
         self.jobs_run = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -63,6 +62,11 @@ class Host:
         """CPU seconds per job owner up to now."""
         self._advance()  # the pending completion stays valid: the rate has not changed
         return dict(self.busy_by)
+
+    @property
+    def busy_s(self) -> float:
+        """Integral of the cores in use over time (up to the last start or end of a job)."""
+        return sum(self.busy_by.values())
 
     @property
     def running(self) -> int:
@@ -88,7 +92,6 @@ class Host:
         if self._jobs:
             rate = self.rate()
             self._v += (now - self._t) * rate
-            self.busy_s += (now - self._t) * min(self._demand, self.cores)
             for _, _, job in self._jobs:
                 self.busy_by[job.owner] = self.busy_by.get(job.owner, 0.0) + (now - self._t) * job.cores * rate
         self._t = now

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import statistics
 
-STATS = ("p50", "p99")
+from pddjax.sim.validate import STATS
 
 
 def same_setup(runs: list[dict]) -> None:
@@ -47,12 +47,14 @@ def combine(runs: list[dict]) -> dict:
         hist = [h["history_s"] for h in have if isinstance(h.get("history_s"), (int, float))]
         if hist:
             fig["history_s"] = statistics.median(hist)
-    reqs = out.get("requests") or {}
-    for mode, rows in reqs.items():
+    for mode, rows in (out.get("requests") or {}).items():
+        ttfts: dict[str, list[float]] = {}  # request id -> its TTFT in every run that served it
+        for r in runs:
+            for q in (r.get("requests") or {}).get(mode, []):
+                if q.get("ttft_ms") is not None:
+                    ttfts.setdefault(q["request_id"], []).append(q["ttft_ms"])
         for row in rows:
-            xs = [q["ttft_ms"] for r in runs for q in (r.get("requests") or {}).get(mode, [])
-                  if q["request_id"] == row["request_id"] and q.get("ttft_ms") is not None]
-            if xs:
-                row["ttft_ms"] = statistics.median(xs)
+            if ttfts.get(row["request_id"]):
+                row["ttft_ms"] = statistics.median(ttfts[row["request_id"]])
     out["runs"] = len(runs)
     return out

@@ -163,13 +163,6 @@ def predict(perf: MeasuredInstance, wan: WanSettings, host: HostConfig, trace: l
     return {"modes": out}
 
 
-def combine(runs: list[dict]) -> dict:
-    """Several runs of one trace as one measurement (`runs.py`)."""
-    from pddjax.sim.runs import combine as _combine
-
-    return _combine(runs)
-
-
 def load_measured(path: str | Path) -> dict:
     """Read and check the benchmark JSON; ValueError with a sentence if it is unusable."""
     with open(path, encoding="utf-8") as f:
