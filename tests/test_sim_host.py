@@ -363,3 +363,59 @@ def test_host_accounts_cpu_seconds_per_owner():
     loop.run()
     assert loop.now == pytest.approx(3.0)
     assert h.usage() == pytest.approx({"a": 1.0, "b": 2.0})
+
+
+def test_core_sets_of_one_machine_slow_each_other_by_the_measured_factor():
+    """Core 1 decodes a 1 s step from t=0; core 0 starts a 1 s small prefill step at 0.5 and
+    a classless 0.1 s job (P's asyncio work) at 0.6. Together the decode step runs 1.5x
+    slower, the prefill 1.1x (and at half its core while the classless job shares it, which
+    slows nobody on core 1): decode has 0.5 s of work left at 0.5, done at 2/3 speed by 1.25;
+    the classless job ends at 0.6 + 0.1 / (0.5 / 1.1) = 0.82; the prefill has done
+    0.1/1.1 + 0.1 + 0.43/1.1 by 1.25 and finishes the rest alone. A job slowed by the memory
+    system keeps its core busy longer: its CPU seconds are its wall time on the core."""
+    from pddjax.sim.host import couple
+
+    loop, done = EventLoop(), {}
+    a, b = Host(loop, 1.0), Host(loop, 1.0)
+    couple([a, b], {"decode|small": 1.5, "small|decode": 1.1})
+    b.run(1.0, 1.0, lambda: done.setdefault("decode", loop.now), "d0", kind="decode")
+    loop.at(0.5, lambda: a.run(1.0, 1.0, lambda: done.setdefault("small", loop.now), "p0", kind="small"))
+    loop.at(0.6, lambda: a.run(0.1, 1.0, lambda: done.setdefault("loop", loop.now), "p0-loop"))
+    loop.run()
+    for h in (a, b):
+        h.check_integrity()
+    small_done_at_125 = 0.1 / 1.1 + 0.1 + 0.43 / 1.1
+    assert done["loop"] == pytest.approx(0.82)
+    assert done["decode"] == pytest.approx(1.25)
+    assert done["small"] == pytest.approx(1.25 + 1.0 - small_done_at_125)
+    assert b.usage() == pytest.approx({"d0": 1.25})
+    assert a.usage() == pytest.approx({"p0": 0.1 + 0.11 + done["small"] - 0.82, "p0-loop": 0.11})
+    assert a.peers == [b] and b.peers == [a] and a.interference() == 1.0  # idle again
+
+
+def test_cluster_couples_pinned_core_sets_only_when_calibrated():
+    from pddjax.sim.crosscore import step_class
+
+    assert [step_class(4, 4, True), step_class(64, 2, False), step_class(65, 1, False)] == ["decode", "small", "large"]
+    cross = (("decode|large", 1.6), ("decode|small", 1.3))
+    hc = HostConfig(cores=2.0, step_cores=1.0, decode_cores=1.0, cpus=PINNED, cross_slowdown=cross)
+    cl = Cluster(ClusterConfig("pdd", Pool(FLAT, 1), Pool(FLAT, 1), rld=Pool(FLAT, 1), user_lag_s=0.0, host=hc),
+                 trace_one_session(), horizon=float("inf"))
+    p_host, d_host = cl.P[0].host, cl.D[0].host
+    assert p_host.peers == [d_host] and d_host.cross == dict(cross)
+    plain = Cluster(ClusterConfig("pdd", Pool(FLAT, 1), Pool(FLAT, 1), rld=Pool(FLAT, 1), user_lag_s=0.0,
+                                  host=HostConfig(cpus=PINNED)), trace_one_session(), horizon=float("inf"))
+    assert plain.P[0].host.peers == []
+
+
+def test_calibration_cross_slowdown_is_checked(tmp_path):
+    from pddjax.sim import calibrate
+
+    good = tmp_path / "good.json"
+    good.write_text('{"cross_slowdown": {"decode|small": 1.3}}')
+    cal = calibrate.load(str(good))
+    assert calibrate.host_config(cal).cross_slowdown == (("decode|small", 1.3),)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"cross_slowdown": {"decode|small": -1}}')
+    with pytest.raises(ValueError, match="cross_slowdown"):
+        calibrate.load(str(bad))

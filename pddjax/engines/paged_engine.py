@@ -74,6 +74,7 @@ class PagedEngine:
         self.radix = RadixCache(config.page_size, self.allocator)
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0
+        self.last_shape: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # (T, B, MP, Q, rows) of the last step
 
     # ---- queries (no mutation) -------------------------------------------------------
     def prefix_hit(self, prompt: list[int]) -> int:
@@ -172,8 +173,10 @@ class PagedEngine:
             return ([], {}) if return_logits else []
         batch, sample_rows, greedy = self._build(rows)
         sp = self._sampling_arrays(rows, len(batch.kv_lens))
+        q = buckets.q_len_bucket(max(n for _, n in rows))
+        self.last_shape = (len(batch.tokens), len(batch.kv_lens), batch.page_tables.shape[1], q, len(rows))
         tokens, logits, self.pool = run_step(
-            self.weights, self.cfg, batch, self.pool, *sp, max_q_len=buckets.q_len_bucket(max(n for _, n in rows)),
+            self.weights, self.cfg, batch, self.pool, *sp, max_q_len=q,
             impl=self.config.attention, greedy=greedy, return_logits=return_logits)
         self.num_steps += 1
         tokens = np.asarray(tokens)

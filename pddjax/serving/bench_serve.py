@@ -316,6 +316,7 @@ def run(args) -> int:
             link.mbps, link.latency_ms = shaped
             counters["before"] = link.stats()
             counters["cpu_before"] = stack.cpu_s()
+            counters["t_before"] = time.time()
             return stack.router
 
         try:
@@ -332,6 +333,8 @@ def run(args) -> int:
                                             mode, before_measure=measure_from_here)
             after = link.stats()
             cpu_after = stack.cpu_s()
+            window = [round(counters["t_before"], 3), round(time.time(), 3)]
+            pids = {c.role: c.proc.pid for c in stack.children}
         finally:
             stack.close()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -345,6 +348,7 @@ def run(args) -> int:
         figures[mode]["history_errors"] = sum(r.error is not None for r in history)
         # CPU each process used during the measured phase (the simulator's host model checks against it)
         figures[mode]["cpu_s"] = {k: round(v - counters["cpu_before"].get(k, 0.0), 2) for k, v in cpu_after.items()}
+        figures[mode]["window"], figures[mode]["pids"] = window, pids  # for PDDJAX_STEP_LOG timelines
         errs = [r.error for r in records + history if r.error]
         if errs:
             print(f"{mode}: {len(errs)} requests failed, first: {errs[0]}", file=sys.stderr)

@@ -16,6 +16,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+from pddjax.serving.steplog import StepLog
+
 
 class EngineWorker:
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_step: Callable[[list], None] | None = None,
@@ -26,6 +28,7 @@ class EngineWorker:
         self.steps = 0
         self.metrics = None  # a ServiceMetrics: engine gauges are set from this thread (<= 4 per s, and when idle)
         self._snapshot_at = 0.0
+        self.log = StepLog.from_env(name)  # None unless PDDJAX_STEP_LOG is set
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -50,6 +53,8 @@ class EngineWorker:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        if self.log is not None:
+            self.log.engine_tid = threading.get_native_id()
         while not self._stop:
             try:
                 item = self._q.get(block=not self.engine.has_work(), timeout=None)
@@ -57,8 +62,11 @@ class EngineWorker:
                 item = False
             while item is not False:
                 if item is None:
+                    if self.log is not None:
+                        self.log.close()
                     return
                 fn, args, cf = item
+                t0 = self.log.clock() if self.log else None
                 if cf is None:
                     try:
                         fn(self.engine, *args)
@@ -69,22 +77,33 @@ class EngineWorker:
                         cf.set_result(fn(self.engine, *args))
                     except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
                         cf.set_exception(e)
+                if t0 is not None:
+                    self.log.command(t0, getattr(fn, "__name__", "call"))
                 try:
                     item = self._q.get_nowait()
                 except queue.Empty:
                     item = False
             if self.engine.has_work():
                 try:
+                    t0 = self.log.clock() if self.log else None
                     events = self.engine.step()
+                    if t0 is not None:
+                        self.log.step(t0, getattr(self.engine, "last_shape", ()))
                     self.steps += 1
                     if self.on_step is not None:
+                        t0 = self.log.clock() if self.log else None
                         self.on_step(events)
+                        if t0 is not None:
+                            self.log.command(t0, "on_step")
                 except Exception:  # noqa: BLE001  (keep serving; the failure is logged)
                     traceback.print_exc()
             now = time.monotonic()
             if self.metrics is not None and (now - self._snapshot_at >= 0.25 or not self.engine.has_work()):
                 self._snapshot_at = now  # num_pages_active walks every sequence: not on every step
+                t0 = self.log.clock() if self.log else None
                 self.metrics.engine_snapshot(self.snapshot())
+                if t0 is not None:
+                    self.log.command(t0, "snapshot")
 
     def snapshot(self) -> dict:
         """Engine occupancy, read on the engine thread."""

@@ -68,6 +68,11 @@ def load(path: str) -> dict:
             out[k] = float(obj[k])
     if "step_table" in obj:  # measured step shapes (step_table.py); checked by MeasuredInstance
         out["step_table"] = obj["step_table"]
+    if "cross_slowdown" in obj:  # crosscore.py: {"x|y": slowdown}
+        cross = obj["cross_slowdown"]
+        if not isinstance(cross, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in cross.values()):
+            raise ValueError("calibration 'cross_slowdown' must map 'x|y' to positive numbers")
+        out["cross_slowdown"] = {str(k): float(v) for k, v in cross.items()}
     if min(out["cores"], out["step_cores"], out["decode_cores"]) <= 0:
         raise ValueError("calibration cores, step_cores and decode_cores must be positive")
     return out
@@ -92,7 +97,8 @@ def host_config(cal: dict, **engine) -> HostConfig:
                       export_s_per_token=cal["export_us_per_token"] / 1e6,
                       serialize_s_per_token=cal["serialize_us_per_token"] / 1e6,
                       import_s_per_token=cal["import_us_per_token"] / 1e6,
-                      unshaped_gbps=cal["unshaped_mbps"] / 1e3, **engine)
+                      unshaped_gbps=cal["unshaped_mbps"] / 1e3,
+                      cross_slowdown=tuple(sorted(cal.get("cross_slowdown", {}).items())), **engine)
 
 
 # ---- measuring (jax from here on) ---------------------------------------------------------

@@ -160,13 +160,15 @@ def _validate(args) -> int:
             hist = mm.get("history_s")
             print(f"{m}: {a['n']} requests, {100 * a['within_25']:.0f}% within 25%, {100 * a['within_50']:.0f}% "
                   f"within 50% of their measured TTFT; history phase {pm['history_s']:.1f} s"
-                  + (f" (measured {hist} s)" if isinstance(hist, (int, float)) else "")
+                  + (f" (measured {hist:.1f} s)" if isinstance(hist, (int, float)) else "")
                   + f"; step shapes first used while measuring {pm['new_step_shapes']}")
             if isinstance(mm.get("cpu_s"), dict):  # bench serve records each process's CPU time
                 print("  CPU s during the measured phase, measured / sim: " + ", ".join(
                     f"{r} {mm['cpu_s'].get(r, float('nan')):.1f} / {pm['cpu_s'].get(r, 0.0):.1f}"
                     for r in ("prefill", "relay", "main")) + "; not simulated: " + ", ".join(
                     f"{r} {v:.1f}" for r, v in mm["cpu_s"].items() if r not in ("prefill", "relay", "main")))
+                print("  engine steps in the measured phase (sim): " + ", ".join(
+                    f"{r} {n} steps, {s:.1f} s alone" for r, (n, s) in pm.get("steps", {}).items()))
     if args.requests:
         for m in modes:
             print(f"\n{m}:\n" + format_requests(details[m]))

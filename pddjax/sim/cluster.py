@@ -22,7 +22,7 @@ from pddjax.sim.decode import DecodeInstance, Seq
 from pddjax.sim.engine_prefill import EnginePrefill
 from pddjax.sim.events import EventLoop, SimError
 from pddjax.sim.handoff import Handoff
-from pddjax.sim.host import Host, SerialWorker
+from pddjax.sim.host import Host, SerialWorker, couple
 from pddjax.sim.lineage import Lineage
 from pddjax.sim.prefill import PrefillInstance
 from pddjax.sim.request import SimRequest
@@ -75,6 +75,8 @@ class Cluster:
         self.R: list[DecodeInstance] = []
         if cfg.mode == "pdd":
             self.R = [self._decode(f"rld{i}", cfg.rld.perf, ctx, True, "relay") for i in range(cfg.rld.count)]
+        if hc and hc.cross_slowdown and len(self.hosts) > 1:
+            couple(list(self.hosts.values()), dict(hc.cross_slowdown))  # pinned core sets of one machine
         remote = cfg.mode != "pd-local"
         self.wan = Line(self.loop, cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s, cfg.wan_sharing, cfg.seed)
         self.back = Line(self.loop, cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s, "fair", cfg.seed + 1)
@@ -184,6 +186,7 @@ class Cluster:
             self.t0 = self.loop.now
             self._busy_t0 = self.busy_by_owner()
             self.shapes_before = {i.name: set(self.step_model(i).shapes) for i in [*self.P, *self.D, *self.R]}
+            self.steps_before = self.steps_run()
             self.router.restart()  # bench serve restarts the router: fresh link estimates
             self.wan.set_rate(cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s)
             self.back.set_rate(cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s)
@@ -199,6 +202,21 @@ class Cluster:
     @staticmethod
     def step_model(inst):
         return getattr(inst, "steps", None) if isinstance(inst, EnginePrefill) else inst.steps_model
+
+    def steps_run(self) -> dict[str, tuple[int, float]]:
+        """Per engine with a host: (steps, their solo seconds) so far."""
+        out = {}
+        for i in [*self.P, *self.D, *self.R]:
+            m = self.step_model(i)
+            if m is not None and hasattr(m, "seconds"):
+                out[i.name] = (sum(m.shapes.values()), m.seconds)
+        return out
+
+    def measured_steps(self) -> dict[str, tuple[int, float]]:
+        """Per engine: (steps, solo seconds) in the measured phase."""
+        before = getattr(self, "steps_before", {})
+        return {k: (n - before.get(k, (0, 0.0))[0], s - before.get(k, (0, 0.0))[1])
+                for k, (n, s) in self.steps_run().items()}
 
     def new_shapes(self) -> dict[str, int]:
         """Per engine: step shapes first used in the measured phase (each a compile in a fresh

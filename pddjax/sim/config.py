@@ -62,6 +62,9 @@ class HostConfig:
     # ("relay", (1,)), ("main", (1,))); empty = every service shares all `cores`. Services on
     # the same set share one Host; sets must be equal or disjoint.
     cpus: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # Pinned core sets still share the memory system: ("x|y", s) = a step of class x runs s
+    # times slower while another core set runs one of class y (`crosscore.py`; empty = none).
+    cross_slowdown: tuple[tuple[str, float], ...] = ()
 
     @property
     def kv_tokens(self) -> int:

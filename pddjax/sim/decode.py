@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 
 from pddjax.sim.cache import PrefixCache
+from pddjax.sim.crosscore import step_class
 from pddjax.sim.engine_steps import StepModel
 from pddjax.sim.events import EPS, EventLoop, SimError
 
@@ -295,7 +296,10 @@ class DecodeInstance:
         self.busy_time += n * dt
         self._version += 1
         if self.host is not None:
-            self.host.run(dt, self.step_cores, lambda v=self._version: self._segment_end(v), self.name)
+            ext = sum(i[1] for i in self._seg_ext) if self._kind in ("mixed", "extend") else 0
+            rows = b if self._kind in ("decode", "mixed") else 0
+            kind = step_class(ext + rows, rows + (len(self._seg_ext) if ext else 0), decode_only=not ext)
+            self.host.run(dt, self.step_cores, lambda v=self._version: self._segment_end(v), self.name, kind)
         else:
             self.loop.at(now + n * dt, self._segment_end, self._version)
 

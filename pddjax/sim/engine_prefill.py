@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pddjax.engines.buckets import padded_past
 from pddjax.sim.cache import PrefixCache
 from pddjax.sim.config import HostConfig
+from pddjax.sim.crosscore import step_class
 from pddjax.sim.engine_steps import StepModel
 from pddjax.sim.events import EventLoop, SimError
 from pddjax.sim.host import Host
@@ -118,7 +119,8 @@ class EnginePrefill:
         self.busy = True
         self.busy_time += work
         self.n_steps += 1
-        self.host.run(work, self.hc.step_cores, lambda: self._step_done(rows), self.name)
+        kind = step_class(sum(n for _, n in rows), len(rows), decode_only=False)
+        self.host.run(work, self.hc.step_cores, lambda: self._step_done(rows), self.name, kind)
 
     def _commands_done(self, fns) -> None:
         self.busy = False

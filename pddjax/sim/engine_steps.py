@@ -75,6 +75,7 @@ class StepModel:
         self._rows = [(b, t - self._attn(pow2(int(b)), 1, kv_slots(ctx + 16, S)) - self.lin(int(b)))
                       for b, t in perf.decode]
         self.shapes: dict[tuple[int, int, int, int], int] = {}  # (T, B, width, Q) -> steps run
+        self.seconds = 0.0  # solo seconds of every step timed so far
         self.table = dict(perf.step_table)  # (T, B, width, Q) -> seconds, measured
         ratios = sorted(t / self._formula(*k) for k, t in self.table.items())
         self.scale = ratios[len(ratios) // 2] if ratios else 1.0
@@ -105,6 +106,6 @@ class StepModel:
         kv = max([decode_kv] * (decode_rows > 0) + [c for _, c in chunks])
         key = (pow2(tokens), pow2(rows), table_width(kv, self.perf.page_size), pow2(q))
         self.shapes[key] = self.shapes.get(key, 0) + 1
-        if key in self.table:
-            return self.table[key]
-        return self.scale * self._formula(*key, decode_rows=decode_rows)
+        t = self.table[key] if key in self.table else self.scale * self._formula(*key, decode_rows=decode_rows)
+        self.seconds += t
+        return t

@@ -9,9 +9,15 @@ of C cores, every job progresses at rate min(1, C / D): k single-core jobs on C 
 take work_s * max(1, k / C); k jobs that each want the whole host take work_s * k.
 `background` cores of demand from other processes (not simulated) count in D all the time.
 
+Hosts that are core sets of one machine (`bench serve` pins services) do not share cores but
+do share its memory system: `couple(hosts, cross)` makes every job of class x (`kind`: a
+step's `crosscore.step_class`) run `cross["x|y"]` times slower while another of the hosts runs
+a job of class y (the largest factor if several; measured by `python -m pddjax.sim.crosscore`).
+
 Implemented with a virtual clock, as the WAN line: V advances at the common rate, and a job
-of w seconds started at V0 ends when V = V0 + w; a start or an end changes the rate and
-reschedules the next completion. `busy_s` integrates the cores in use (utilization).
+of w seconds started at V0 ends when V = V0 + w; a start or an end changes the rate (of the
+coupled hosts too) and reschedules the next completion. `busy_by` integrates the cores in use
+(CPU seconds: a job slowed by the memory system keeps its core busy longer).
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ from pddjax.sim.events import EPS, EventLoop, OneAtATime, SimError
 
 
 class Job:
-    __slots__ = ("cores", "done", "end_v", "on_done", "owner", "work")
+    __slots__ = ("cores", "done", "end_v", "kind", "on_done", "owner", "work")
 
-    def __init__(self, work: float, cores: float, on_done: Callable[[], None], owner: str):
-        self.work, self.cores, self.on_done, self.owner = work, cores, on_done, owner
+    def __init__(self, work: float, cores: float, on_done: Callable[[], None], owner: str, kind: str = ""):
+        self.work, self.cores, self.on_done, self.owner, self.kind = work, cores, on_done, owner, kind
         self.end_v = 0.0
         self.done = False
 
@@ -46,12 +52,26 @@ class Host:
         self._version = 0
         self.busy_by: dict[str, float] = {}  # integral of the cores in use, per job owner (CPU seconds)
         self.jobs_run = 0
+        self.peers: list[Host] = []  # other core sets of the same machine (`couple`)
+        self.cross: dict[str, float] = {}  # "x|y" -> slowdown of class x while a peer runs class y
+        self._kinds: dict[str, int] = {}  # running jobs per class (kind)
 
     # ---- queries -------------------------------------------------------------------------
-    def rate(self) -> float:
-        """Progress per second of every running job now (1 = as fast as alone on an idle host)."""
+    def cpu_rate(self) -> float:
+        """Share of its cores every running job gets now (processor sharing)."""
         d = self._demand + self.background
         return 1.0 if d <= self.cores + EPS else self.cores / d
+
+    def interference(self) -> float:
+        """How many times slower the memory system makes this host's jobs now (>= 1)."""
+        if not self.cross or not self._kinds:
+            return 1.0
+        slow = [self.cross.get(f"{x}|{y}", 1.0) for x in self._kinds for p in self.peers for y in p._kinds]
+        return max([1.0, *slow])
+
+    def rate(self) -> float:
+        """Progress per second of every running job now (1 = as fast as alone on an idle host)."""
+        return self.cpu_rate() / self.interference()
 
     def slowdown(self, extra_cores: float = 0.0) -> float:
         """How many times slower than alone a job would run if `extra_cores` more were asked."""
@@ -73,27 +93,35 @@ class Host:
         return len(self._jobs)
 
     # ---- mutations -----------------------------------------------------------------------
-    def run(self, work_s: float, cores: float, on_done: Callable[[], None], owner: str = "") -> Job:
-        """Start a job of `work_s` solo seconds that keeps `cores` cores busy when alone."""
+    def run(self, work_s: float, cores: float, on_done: Callable[[], None], owner: str = "", kind: str = "") -> Job:
+        """Start a job of `work_s` solo seconds that keeps `cores` cores busy when alone
+        (`kind`: its class for the memory coupling, "" for none)."""
         if work_s < 0 or cores <= 0:
             raise SimError(f"job of {work_s} s on {cores} cores")
         cores = min(cores, self.cores)
-        job = Job(work_s, cores, on_done, owner)
+        job = Job(work_s, cores, on_done, owner, kind)
+        for p in self.peers:
+            p._advance()  # at their rates before this job starts
         self._advance()
         job.end_v = self._v + work_s
         heapq.heappush(self._jobs, (job.end_v, next(self._seq), job))
         self._demand += cores
+        if kind:
+            self._kinds[kind] = self._kinds.get(kind, 0) + 1
         self.jobs_run += 1
         self._reschedule()
+        if kind:
+            for p in self.peers:
+                p._reschedule()
         return job
 
     def _advance(self) -> None:
         now = self.loop.now
         if self._jobs:
-            rate = self.rate()
+            rate, cpu = self.rate(), self.cpu_rate()
             self._v += (now - self._t) * rate
             for _, _, job in self._jobs:
-                self.busy_by[job.owner] = self.busy_by.get(job.owner, 0.0) + (now - self._t) * job.cores * rate
+                self.busy_by[job.owner] = self.busy_by.get(job.owner, 0.0) + (now - self._t) * job.cores * cpu
         self._t = now
 
     def _reschedule(self) -> None:
@@ -105,16 +133,25 @@ class Host:
     def _complete(self, version: int) -> None:
         if version != self._version:
             return
+        for p in self.peers:
+            p._advance()
         self._advance()
         finished = []
         while self._jobs and self._jobs[0][0] <= self._v + EPS:
             _, _, job = heapq.heappop(self._jobs)
             self._demand -= job.cores
+            if job.kind:
+                self._kinds[job.kind] -= 1
+                if not self._kinds[job.kind]:
+                    del self._kinds[job.kind]
             job.done = True
             finished.append(job)
         if not self._jobs:
             self._v, self._demand = 0.0, 0.0  # idle: restart the virtual clock (keeps floats small)
         self._reschedule()
+        if any(j.kind for j in finished):
+            for p in self.peers:
+                p._reschedule()
         for job in finished:
             job.on_done()
 
@@ -122,6 +159,23 @@ class Host:
         demand = sum(j.cores for _, _, j in self._jobs)
         if abs(demand - self._demand) > 1e-6:
             raise SimError(f"host demand {self._demand} != sum of running jobs {demand}")
+        kinds: dict[str, int] = {}
+        for _, _, j in self._jobs:
+            if j.kind:
+                kinds[j.kind] = kinds.get(j.kind, 0) + 1
+        if kinds != self._kinds:
+            raise SimError(f"host job classes {self._kinds} != those of its running jobs {kinds}")
+        if self in self.peers:
+            raise SimError("a host is coupled to itself")
+
+
+def couple(hosts: list[Host], cross: dict[str, float]) -> None:
+    """Core sets of one machine: each host's jobs slow down by `cross` while the others run."""
+    if any(v <= 0 for v in cross.values()):
+        raise ValueError("cross slowdowns must be positive")
+    for h in hosts:
+        h.peers = [p for p in hosts if p is not h]
+        h.cross = dict(cross)
 
 
 class SerialWorker:

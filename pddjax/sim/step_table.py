@@ -39,7 +39,7 @@ def rows_for(key: tuple[int, int, int, int], page_size: int = 16) -> list[tuple[
     return rows
 
 
-def _engine_step(model, rows: list[tuple[int, int]], seed: int):
+def _engine_step(model, rows: list[tuple[int, int]], seed: int, num_pages: int | None = None):
     """An engine whose next step has `rows`; returns step() -> seconds. A one-token row is
     a decoding sequence (prefilled, then fed its sampled token each step), KV 48-64 slots
     short of the table's end (it stays in the bucket across the timed steps); a longer row
@@ -52,6 +52,7 @@ def _engine_step(model, rows: list[tuple[int, int]], seed: int):
     mcfg, g = model.config, SamplingParams()
     rng = np.random.default_rng(seed)
     pages = 8 + sum(-(-(end + 2) // 16) + 1 for end, _ in rows)
+    pages = max(pages, num_pages or 0)  # the serving pool's size, if given
     eng = PagedEngine(mcfg, model.weights, model.fingerprint,
                       EngineConfig(dtype="float32", page_size=16, num_pages=pages, attention="xla",
                                    max_step_tokens=256, max_rows=16, prefix_cache=True))

@@ -131,6 +131,7 @@ def simulate_mode(mode: str, perf: MeasuredInstance, wan: WanSettings, host: Hos
         "new_step_shapes": cl.new_shapes(),
         "step_shapes": sorted({k for i in [*cl.P, *cl.D, *cl.R] for k in cl.step_model(i).shapes}),
         "cpu_s": _cpu_by_role(cl.measured_cpu_s(), mode),
+        "steps": _steps_by_role(cl.measured_steps(), mode),
         "host_utilization": (sum(h.busy_s for h in cl.hosts.values())
                              / (cl.loop.now * sum(h.cores for h in cl.hosts.values())) if cl.loop.now else 0.0),
         "requests": [{"request_id": r.rid, "pipeline": BENCH_PIPELINE[r.pipeline], "ttft_ms": 1e3 * r.ttft,
@@ -147,6 +148,17 @@ def _cpu_by_role(by_owner: dict[str, float], mode: str) -> dict[str, float]:
     for owner, s in by_owner.items():
         role = "prefill" if owner.startswith("p") else "relay" if owner.startswith("rld") else d_role
         out[role] = round(out.get(role, 0.0) + s, 2)
+    return out
+
+
+def _steps_by_role(by_engine: dict[str, tuple[int, float]], mode: str) -> dict[str, list]:
+    """Engines (p0, d0, rld0) -> [steps, solo seconds] per service, as `_cpu_by_role`."""
+    out: dict[str, list] = {}
+    for name, (n, sec) in by_engine.items():
+        role = next(iter(_cpu_by_role({name: 0.0}, mode)))
+        have = out.setdefault(role, [0, 0.0])
+        have[0] += n
+        have[1] = round(have[1] + sec, 2)
     return out
 
 

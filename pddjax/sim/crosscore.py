@@ -1,0 +1,144 @@
+"""How an engine step on one core slows a step on another: the host model's `cross_slowdown`.
+
+    python -m pddjax.sim.crosscore --json FILE [--model smollm2-135m] [--repeats 7]
+
+`bench serve` pins P alone on core 0 and RLD + MD on core 1, so processor sharing
+(`host.py`, `contention.py`) never couples them. They still share the memory system: a
+SmolLM2-135M float32 step streams its 540 MB of weights and the KV it gathers, so a decode
+step (memory-bound) runs slower while the other core streams weights too. Measured here as
+`slow[x|y]` = the time of step class x pinned to core B while another process runs class y
+back to back pinned to core A, over x alone just before (so slow drifts of other load hit
+both). Classes (`step_class`): "decode" (one-token rows only; timed: 1 row at ~2K tokens),
+"small" (a chunk of at most 64 tokens; timed: 32 after 1K cached), "large" (more; timed: 256
+after 768 cached). The host model applies slow[x|y] to a core set's steps of class x while
+another core set runs a step of class y (the largest when several). Needs a quiet machine
+with at least two cores; jax is imported only inside the functions.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+SHAPES = {"decode": (1, 1, 128, 1), "small": (32, 1, 64, 32), "large": (256, 1, 64, 256)}  # step_table keys
+SMALL_TOKENS = 64  # a step of at most this many tokens with a multi-token row is "small"
+
+
+def step_class(tokens: int, rows: int, decode_only: bool) -> str:
+    """The class of a step of `tokens` tokens in `rows` rows (decode_only: every row one token)."""
+    if decode_only:
+        return "decode"
+    return "small" if tokens <= SMALL_TOKENS else "large"
+
+
+def _decode_step(model, seed: int, ctx: int = 1984):
+    """step() -> seconds of a one-row decode step at ~ctx tokens (page table 128 wide), for
+    ever: every 40 steps the row is released into the prefix cache and added again, so it
+    restarts at ctx (one short step, not timed) instead of growing out of its bucket."""
+    import numpy as np
+
+    from pddjax.engines.paged_engine import EngineConfig, PagedEngine
+    from pddjax.model.sampling import SamplingParams
+
+    g = SamplingParams()
+    prompt = np.random.default_rng(seed).integers(3, model.config.vocab_size, ctx).tolist()
+    eng = PagedEngine(model.config, model.weights, model.fingerprint,
+                      EngineConfig(dtype="float32", page_size=16, num_pages=8 + (ctx + 64) // 16 * 2,
+                                   attention="xla", max_step_tokens=256, max_rows=16, prefix_cache=True))
+    state = {"n": 40}
+
+    def step() -> float:
+        if state["n"] >= 40:
+            if "d" in eng.seqs:
+                eng.release("d", cache=True)
+            eng.add("d", prompt, g, 64, ())
+            while not eng.seqs["d"].generated:
+                eng.step()  # the prompt (first time) or its uncached tail
+            state["n"] = 0
+        state["n"] += 1
+        t0 = time.perf_counter()
+        eng.step()
+        return time.perf_counter() - t0
+    return step
+
+
+def _timed_step(model, cls: str, seed: int):
+    """step() -> seconds of one step of the class, repeatable without end."""
+    from pddjax.sim import step_table
+
+    if cls == "decode":
+        step = _decode_step(model, seed)
+    else:
+        step = step_table._engine_step(model, step_table.rows_for(SHAPES[cls]), seed)
+    step()  # compile
+    return step
+
+
+def _loop(model_name: str, cls: str, core: int, ready, stop) -> None:
+    """Child process pinned to `core`: run the class's step back to back until told to stop."""
+    from pddjax.sim.calibrate import _model
+
+    os.sched_setaffinity(0, {core})
+    step = _timed_step(_model(model_name), cls, seed=7)
+    ready.set()
+    while not stop.is_set():
+        step()
+
+
+def _median(step, repeats: int) -> float:
+    return statistics.median(step() for _ in range(repeats))
+
+
+def measure(model_name: str = "smollm2-135m", repeats: int = 7, cores: float = 2.0, pairs=None) -> dict:
+    """{"cross_slowdown": {"x|y": slow}, "alone_ms": {x: ms}} for the pairs (default: all), timed
+    on the second core of this process's affinity while the child loops on the first (`cores`:
+    the shared CLI's host size, unused)."""
+    from pddjax.sim.calibrate import _model
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise RuntimeError("crosscore needs at least two cores")
+    timed_core, loop_core = cores[1], cores[0]
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {timed_core})
+    try:
+        model = _model(model_name)
+        steps = {c: _timed_step(model, c, seed=0) for c in SHAPES}
+        pairs = pairs or [(x, y) for y in SHAPES for x in SHAPES]
+        ctx = mp.get_context("spawn")
+        slow, alone = {}, {c: [] for c in SHAPES}
+        for y in dict.fromkeys(y for _, y in pairs):
+            xs = [x for x, yy in pairs if yy == y]
+            base = {x: _median(steps[x], repeats) for x in xs}  # alone, just before
+            ready, stop = ctx.Event(), ctx.Event()
+            child = ctx.Process(target=_loop, args=(model_name, y, loop_core, ready, stop), daemon=True)
+            child.start()
+            try:
+                if not ready.wait(600):
+                    raise RuntimeError("the crosscore child did not start within 600 s")
+                for x in xs:
+                    slow[f"{x}|{y}"] = round(_median(steps[x], repeats) / base[x], 3)
+                    alone[x].append(base[x])
+                    print(f"{x} while {y} runs on the other core: x{slow[f'{x}|{y}']}", flush=True)
+            finally:
+                stop.set()
+                child.join(60)
+                if child.is_alive():
+                    child.kill()
+    finally:
+        os.sched_setaffinity(0, saved)
+    return {"cross_slowdown": slow,
+            "alone_ms": {k: round(1e3 * statistics.median(v), 2) for k, v in alone.items() if v}}
+
+
+def main(argv=None) -> int:
+    from pddjax.sim.calibrate import run_cli
+
+    return run_cli("python -m pddjax.sim.crosscore", __doc__, measure, 7, argv,
+                   json_help="write the result here (merge cross_slowdown into a calibration JSON to use it)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
