@@ -408,14 +408,34 @@ def test_cluster_couples_pinned_core_sets_only_when_calibrated():
     assert plain.P[0].host.peers == []
 
 
-def test_calibration_cross_slowdown_is_checked(tmp_path):
+def test_calibration_cross_slowdown_and_first_use_are_checked(tmp_path):
     from pddjax.sim import calibrate
 
     good = tmp_path / "good.json"
-    good.write_text('{"cross_slowdown": {"decode|small": 1.3}}')
+    good.write_text('{"cross_slowdown": {"decode|small": 1.3}, "first_use_ms": 120}')
     cal = calibrate.load(str(good))
     assert calibrate.host_config(cal).cross_slowdown == (("decode|small", 1.3),)
+    engine = {"decode_ms": {"1": 100}, "extend_ms": {"1": 100}, "prefill_tokens_per_s": 5120}
+    assert calibrate.profile(engine, cal).first_use_s == pytest.approx(0.12)
     bad = tmp_path / "bad.json"
     bad.write_text('{"cross_slowdown": {"decode|small": -1}}')
     with pytest.raises(ValueError, match="cross_slowdown"):
         calibrate.load(str(bad))
+
+
+def test_a_shapes_first_step_costs_its_first_use_once_per_engine():
+    """pddjax lowers a new step shape and loads its executable on first use (`first_use_ms`,
+    measured by `step_table --first-use`); every engine pays it once per shape."""
+    prof = {"decode_ms": {"1": 100}, "extend_ms": {"1": 100}, "prefill_tokens_per_s": 5120,
+            "kv_bytes_per_token": 1000, "first_use_ms": 50}
+    perf = MeasuredInstance.from_json(prof)
+    one, other = StepModel(perf), StepModel(perf)
+    first, again = one.step_s(decode_rows=1, decode_kv=100), one.step_s(decode_rows=1, decode_kv=100)
+    assert first - again == pytest.approx(0.05)
+    assert one.step_s(decode_rows=2, decode_kv=100) > one.step_s(decode_rows=2, decode_kv=100)  # a new shape
+    assert other.step_s(decode_rows=1, decode_kv=100) == pytest.approx(first)  # another engine: its own first use
+    fresh = StepModel(perf)
+    times = [fresh.step_s(decode_rows=b, decode_kv=100) for b in (1, 1, 2)]
+    assert fresh.seconds == pytest.approx(sum(times)) and sum(fresh.shapes.values()) == 3
+    with pytest.raises(ValueError, match="first_use_ms"):
+        MeasuredInstance.from_json({**prof, "first_use_ms": -1})

@@ -68,6 +68,10 @@ def load(path: str) -> dict:
             out[k] = float(obj[k])
     if "step_table" in obj:  # measured step shapes (step_table.py); checked by MeasuredInstance
         out["step_table"] = obj["step_table"]
+    if "first_use_ms" in obj:  # step_table.py --first-use
+        if not isinstance(obj["first_use_ms"], (int, float)) or obj["first_use_ms"] < 0:
+            raise ValueError("calibration 'first_use_ms' must be a number >= 0")
+        out["first_use_ms"] = float(obj["first_use_ms"])
     if "cross_slowdown" in obj:  # crosscore.py: {"x|y": slowdown}
         cross = obj["cross_slowdown"]
         if not isinstance(cross, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in cross.values()):
@@ -85,6 +89,7 @@ def profile(engine_json: dict, cal: dict) -> MeasuredInstance:
         obj.setdefault(k, cal[k])
     if cal.get("step_table"):
         obj["step_table"] = cal["step_table"]
+    obj.setdefault("first_use_ms", cal.get("first_use_ms", 0.0))
     return MeasuredInstance.from_json(obj)
 
 

@@ -11,7 +11,8 @@ Input (extra keys ignored):
      "context": 256, "page_size": 16,                     # optional: where the steps were timed
      "attention_ns_per_pair": 1700,                       # optional host calibration (engine_steps.py)
      "gather_ns_per_slot": 14000, "gather_far_ns_per_slot": 38000, "gather_knee_slots": 1024,
-     "step_table": [[T, B, width, Q, ms], ...]}          # optional: measured step shapes (step_table.py)
+     "step_table": [[T, B, width, Q, ms], ...],          # optional: measured step shapes (step_table.py)
+     "first_use_ms": ms}                                 # optional: a shape's first step costs this more
 
 Times are interpolated piecewise-linearly in batch / tokens, extrapolated linearly past the
 last point and clamped below the first. `step_s` / `prefill_s` (the cluster-scale model)
@@ -88,6 +89,7 @@ class MeasuredInstance:
     gather_far_ns_per_slot: float = 0.0  # beyond the knee (0: same as below it)
     gather_knee_slots: int = 1024  # (rows x KV slots) gathered per step before copies leave the caches
     step_table: tuple = ()  # ((T, B, page-table width, Q), seconds): measured engine steps per shape
+    first_use_s: float = 0.0  # extra seconds of a step shape's first use in an engine (lower + load the executable)
 
     @classmethod
     def from_json(cls, obj: dict, cost_per_hour: float = 1.0) -> "MeasuredInstance":
@@ -104,7 +106,7 @@ class MeasuredInstance:
             gather_ns_per_slot=_nonneg(obj, "gather_ns_per_slot"),
             gather_far_ns_per_slot=_nonneg(obj, "gather_far_ns_per_slot"),
             gather_knee_slots=int(obj.get("gather_knee_slots", 1024)),
-            step_table=_steps(obj),
+            step_table=_steps(obj), first_use_s=_nonneg(obj, "first_use_ms") / 1e3,
         )
 
     @classmethod

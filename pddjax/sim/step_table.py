@@ -103,6 +103,21 @@ def measure(keys, model_name: str = "smollm2-135m", repeats: int = 5, stop=None)
     return out
 
 
+def first_use(keys, model_name: str = "smollm2-135m", repeats: int = 3) -> float:
+    """Median extra ms of a shape's first step in a fresh engine over its later steps: the
+    engine lowers the shape and loads its executable from the persistent compilation cache
+    (run after the shapes were compiled once on this host, e.g. by a step table run, so
+    that this times a load, not a compile)."""
+    model = calibrate._model(model_name)
+    extra = []
+    for i, key in enumerate(keys):
+        step = _engine_step(model, rows_for(key), seed=i)
+        first = step()
+        extra.append(first - statistics.median(step() for _ in range(repeats)))
+        print(f"{list(key)} first use +{1e3 * extra[-1]:.0f} ms", flush=True)
+    return round(1e3 * max(0.0, statistics.median(extra)), 1)
+
+
 def trace_keys(measured_path: str, trace_path: str | None, engine_json: dict, cal: dict) -> list:
     """The step shapes the simulated benchmark uses, in every mode it ran."""
     from pddjax.sim import validate
@@ -130,6 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--reuse", metavar="FILE", help="a step table JSON whose shapes are kept, not measured again")
     ap.add_argument("--stop-if-exists", metavar="FILE", help="stop early once FILE exists (the machine got busy)")
+    ap.add_argument("--first-use", type=int, metavar="N", default=0,
+                    help="also time the first use of N of the shapes in a fresh engine (first_use_ms; "
+                         "run after their executables are in the persistent cache)")
     args = ap.parse_args(argv)
     cal = calibrate.load(args.calibration) if args.calibration else dict(calibrate.DEFAULT)
     with open(args.engine_profile, encoding="utf-8") as f:
@@ -141,6 +159,11 @@ def main(argv=None) -> int:
     print(f"{len(keys)} step shapes, {len(keys) - len(todo)} of them reused", flush=True)
     stop = (lambda: os.path.exists(args.stop_if_exists)) if args.stop_if_exists else None
     out = {**cal, "step_table": sorted(kept + measure(todo, args.model, args.repeats, stop))}
+    if args.first_use:
+        decode = [k for k in keys if k[3] == 1]
+        chunks = [k for k in keys if k[3] > 1 and k[0] <= 128]  # a 256-token chunk's warm-up already runs its shape
+        picks = (decode[: args.first_use // 2] + chunks)[: args.first_use]
+        out["first_use_ms"] = first_use(picks, args.model)
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out["step_table"]))
