@@ -396,7 +396,8 @@ def test_core_sets_of_one_machine_slow_each_other_by_the_measured_factor():
 def test_cluster_couples_pinned_core_sets_only_when_calibrated():
     from pddjax.sim.crosscore import step_class
 
-    assert [step_class(4, 4, True), step_class(64, 2, False), step_class(65, 1, False)] == ["decode", "small", "large"]
+    assert [step_class(2, 2, True), step_class(4, 4, True), step_class(64, 2, False), step_class(65, 1, False)] == [
+        "decode", "decode4", "small", "large"]
     cross = (("decode|large", 1.6), ("decode|small", 1.3))
     hc = HostConfig(cores=2.0, step_cores=1.0, decode_cores=1.0, cpus=PINNED, cross_slowdown=cross)
     cl = Cluster(ClusterConfig("pdd", Pool(FLAT, 1), Pool(FLAT, 1), rld=Pool(FLAT, 1), user_lag_s=0.0, host=hc),

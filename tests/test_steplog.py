@@ -76,3 +76,47 @@ def test_cli_says_when_there_is_no_log(tmp_path, capsys):
     bench.write_text(json.dumps({"modes": {"pdd": {"pids": {"main": 1}, "window": [0, time.time()]}}}))
     assert steplog.main(["--measured", str(bench), "--logs", str(tmp_path)]) == 2
     assert "PDDJAX_STEP_LOG" in capsys.readouterr().err
+
+
+def _write_log(path, steps):
+    """steps: (start, end, shape) -> a step log whose entries end at `end` and last end - start."""
+    path.write_text("\n".join(json.dumps({"k": "step", "t": e, "wall": round(e - s, 6), "cpu": 0.0, "shape": shape})
+                              for s, e, shape in steps) + "\n")
+
+
+def test_interference_is_read_from_the_runs_own_step_logs(tmp_path):
+    """Relay decode steps (table 0.1 s) take 0.1 s with core 0 idle and 0.13 s under a small P
+    chunk: decode|small = 1.3. P's small chunk (table 0.2 s) takes 0.2 s alone and 0.22 s
+    under decode steps: small|decode = 1.1. A relay step that MD (same core) overlapped and
+    steps of shapes the table lacks do not count."""
+    from pddjax.sim import interference
+
+    dec, dec_wide, chunk, chunk_new = [1, 1, 64, 1, 1], [1, 1, 128, 1, 1], [32, 1, 64, 32, 1], [64, 1, 64, 64, 1]
+    relay = [(0.2 * i, 0.2 * i + 0.1, dec) for i in range(6)]  # alone (one of them shared with MD below)
+    relay += [(10 + 0.15 * i, 10 + 0.15 * i + 0.13, dec) for i in range(5)]  # under P's long chunk
+    relay += [(20 + i, 20 + i + 0.22, dec_wide) for i in range(5)]  # covering P's chunks (not in the table)
+    prefill = [(2 + i, 2 + i + 0.2, chunk) for i in range(5)]  # alone
+    prefill += [(10, 10.8, chunk_new)]  # covers the relay steps; its own shape is not in the table
+    prefill += [(20 + i, 20 + i + 0.22, chunk) for i in range(5)]  # under decode steps
+    main = [(0.0, 0.05, dec)]  # overlaps relay's first step on the same core
+    for name, pid, steps in (("relay", 2, relay), ("prefill", 1, prefill), ("main", 3, main)):
+        _write_log(tmp_path / f"engine-{name}-{pid}.jsonl", steps)
+    measured = {"cpus": {"prefill": [0], "relay": [1], "main": [1]},
+                "modes": {"pdd": {"pids": {"prefill": 1, "relay": 2, "main": 3}, "window": [0, 100]}}}
+    table = {(1, 1, 64, 1): 0.1, (32, 1, 64, 32): 0.2}
+    cross, counts = interference.from_run(measured, str(tmp_path), table)
+    assert cross == {"decode|small": pytest.approx(1.3), "small|decode": pytest.approx(1.1)}
+    assert counts["decode"] == {"alone": 5, "small": 5} and counts["small"] == {"alone": 5, "decode": 5}
+    with pytest.raises(ValueError, match="pin"):
+        interference.from_run({**measured, "cpus": {}}, str(tmp_path), table)
+
+
+def test_several_calibrations_predict_their_median():
+    from pddjax.sim.validate import compare, ensemble, format_table
+
+    def pred(p50, p99):
+        return {"modes": {"pdd": {"ttft_ms": {"p50": p50, "p99": p99}, "requests": []}}}
+    both = ensemble([pred(1000, 5000), pred(2000, 7000), pred(1600, 9000)])
+    assert both["modes"]["pdd"]["ttft_ms"] == {"p50": 1600, "p99": 7000}
+    rows = compare(both, {"modes": {"pdd": {"ttft_ms": {"p50": 1600, "p99": 7000}}}})
+    assert [r["ok"] for r in rows] == [True, True] and "1000 / 2000 / 1600" in format_table(rows)

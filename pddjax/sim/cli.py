@@ -44,7 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--engine-profile", metavar="FILE", help="validate: `pddjax bench engine --json` output")
     p.add_argument("--trace", metavar="FILE",
                    help="validate: the trace the benchmark replayed (default: regenerated from its JSON)")
-    p.add_argument("--calibration", metavar="FILE", help="validate: host calibration (python -m pddjax.sim.calibrate)")
+    p.add_argument("--calibration", metavar="FILE", nargs="+",
+                   help="validate: host calibration (python -m pddjax.sim.calibrate); several: predict with each, "
+                        "compare their median")
     p.add_argument("--host-cores", type=float, help="validate: cores the services share (default: calibration's)")
     p.add_argument("--shared-cores", action="store_true",
                    help="validate: model every service on all cores even if the benchmark pinned them")
@@ -109,6 +111,7 @@ def _validate(args) -> int:
         background_of,
         compare,
         cpus_of,
+        ensemble,
         format_requests,
         format_table,
         load_measured,
@@ -129,14 +132,16 @@ def _validate(args) -> int:
                         "with --engine-profile FILE.")
     try:
         measured = combine([load_measured(m) for m in args.measured])
-        cal = calibrate.load(args.calibration) if args.calibration else dict(calibrate.DEFAULT)
-        if args.host_cores is not None:
-            cal["cores"] = args.host_cores
-        if args.background_cores is not None:
-            cal["background_cores"] = args.background_cores
+        cals = [calibrate.load(c) for c in args.calibration] if args.calibration else [dict(calibrate.DEFAULT)]
+        for cal in cals:
+            if args.host_cores is not None:
+                cal["cores"] = args.host_cores
+            if args.background_cores is not None:
+                cal["background_cores"] = args.background_cores
         with open(args.engine_profile, encoding="utf-8") as f:
-            perf = calibrate.profile(json.load(f), cal)
-        host = calibrate.host_config(cal, cpus=() if args.shared_cores else cpus_of(measured))
+            engine_json = json.load(f)
+        setups = [(calibrate.profile(engine_json, cal),
+                   calibrate.host_config(cal, cpus=() if args.shared_cores else cpus_of(measured))) for cal in cals]
         trace = trace_of(measured, args.trace)
     except (ValueError, OSError) as e:
         raise UserError(_sentence(str(e))) from None
@@ -149,7 +154,7 @@ def _validate(args) -> int:
                       wan.jitter_ms if args.jitter_ms is None else args.jitter_ms)
     modes = measured_modes(measured)
     background = None if args.background_cores is not None else {m: background_of(measured, m) for m in modes}
-    predicted = predict(perf, wan, host, trace, modes, background=background)
+    predicted = ensemble([predict(perf, wan, host, trace, modes, background=background) for perf, host in setups])
     rows = compare(predicted, measured)
     print(format_table(rows))
     details = {m: per_request(predicted, measured, m) for m in modes}
@@ -174,7 +179,7 @@ def _validate(args) -> int:
             print(f"\n{m}:\n" + format_requests(details[m]))
     if args.json:
         _write_json(args.json, {"predicted": predicted, "rows": rows, "requests": details, "agreement": agree,
-                                "calibration": cal, "wan": wan.__dict__})
+                                "calibration": cals[0] if len(cals) == 1 else cals, "wan": wan.__dict__})
     return 0
 
 

@@ -185,7 +185,7 @@ class Cluster:
             self.loop.run()
             self.t0 = self.loop.now
             self._busy_t0 = self.busy_by_owner()
-            self.shapes_before = {i.name: set(self.step_model(i).shapes) for i in [*self.P, *self.D, *self.R]}
+            self.shapes_before = {i.name: dict(self.step_model(i).shapes) for i in [*self.P, *self.D, *self.R]}
             self.steps_before = self.steps_run()
             self.router.restart()  # bench serve restarts the router: fresh link estimates
             self.wan.set_rate(cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s)
@@ -222,7 +222,7 @@ class Cluster:
         """Per engine: step shapes first used in the measured phase (each a compile in a fresh
         engine whose warm-up did not run it). Needs a host; replayed history is the warm-up."""
         before = getattr(self, "shapes_before", {})
-        return {i.name: len(set(self.step_model(i).shapes) - before.get(i.name, set()))
+        return {i.name: len(set(self.step_model(i).shapes) - set(before.get(i.name, {})))
                 for i in [*self.P, *self.D, *self.R]}
 
     def measured(self) -> list[SimRequest]:

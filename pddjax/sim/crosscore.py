@@ -8,9 +8,10 @@ SmolLM2-135M float32 step streams its 540 MB of weights and the KV it gathers, s
 step (memory-bound) runs slower while the other core streams weights too. Measured here as
 `slow[x|y]` = the time of step class x pinned to core B while another process runs class y
 back to back pinned to core A, over x alone just before (so slow drifts of other load hit
-both). Classes (`step_class`): "decode" (one-token rows only; timed: 1 row at ~2K tokens),
-"small" (a chunk of at most 64 tokens; timed: 32 after 1K cached), "large" (more; timed: 256
-after 768 cached). The host model applies slow[x|y] to a core set's steps of class x while
+both). Classes (`step_class`): "decode" (one or two one-token rows; timed: 1 row at ~2K
+tokens), "decode4" (three or more; timed: 4 rows at ~2K: four times the KV gathered), "small"
+(a chunk of at most 64 tokens; timed: 32 after 1K cached), "large" (more; timed: 256 after 768
+cached). The host model applies slow[x|y] to a core set's steps of class x while
 another core set runs a step of class y (the largest when several). Needs a quiet machine
 with at least two cores; jax is imported only inside the functions.
 """
@@ -22,40 +23,45 @@ import os
 import statistics
 import time
 
-SHAPES = {"decode": (1, 1, 128, 1), "small": (32, 1, 64, 32), "large": (256, 1, 64, 256)}  # step_table keys
+SHAPES = {"decode": (1, 1, 128, 1), "decode4": (4, 4, 128, 1), "small": (32, 1, 64, 32),
+          "large": (256, 1, 64, 256)}  # step_table keys of the timed steps
 SMALL_TOKENS = 64  # a step of at most this many tokens with a multi-token row is "small"
+WIDE_ROWS = 3  # a decode step of at least this many rows is "decode4"
 
 
 def step_class(tokens: int, rows: int, decode_only: bool) -> str:
     """The class of a step of `tokens` tokens in `rows` rows (decode_only: every row one token)."""
     if decode_only:
-        return "decode"
+        return "decode4" if rows >= WIDE_ROWS else "decode"
     return "small" if tokens <= SMALL_TOKENS else "large"
 
 
-def _decode_step(model, seed: int, ctx: int = 1984):
-    """step() -> seconds of a one-row decode step at ~ctx tokens (page table 128 wide), for
-    ever: every 40 steps the row is released into the prefix cache and added again, so it
-    restarts at ctx (one short step, not timed) instead of growing out of its bucket."""
+def _decode_step(model, seed: int, rows: int = 1, ctx: int = 1984):
+    """step() -> seconds of a decode step of `rows` one-token rows at ~ctx tokens each (page
+    table 128 wide), for ever: every 40 steps the rows are released into the prefix cache and
+    added again, so they restart at ctx (short steps, not timed) instead of growing out of
+    their bucket."""
     import numpy as np
 
     from pddjax.engines.paged_engine import EngineConfig, PagedEngine
     from pddjax.model.sampling import SamplingParams
 
     g = SamplingParams()
-    prompt = np.random.default_rng(seed).integers(3, model.config.vocab_size, ctx).tolist()
+    rng = np.random.default_rng(seed)
+    prompts = {f"d{i}": rng.integers(3, model.config.vocab_size, ctx).tolist() for i in range(rows)}
     eng = PagedEngine(model.config, model.weights, model.fingerprint,
-                      EngineConfig(dtype="float32", page_size=16, num_pages=8 + (ctx + 64) // 16 * 2,
+                      EngineConfig(dtype="float32", page_size=16, num_pages=8 + rows * (ctx + 64) // 16 * 2,
                                    attention="xla", max_step_tokens=256, max_rows=16, prefix_cache=True))
     state = {"n": 40}
 
     def step() -> float:
         if state["n"] >= 40:
-            if "d" in eng.seqs:
-                eng.release("d", cache=True)
-            eng.add("d", prompt, g, 64, ())
-            while not eng.seqs["d"].generated:
-                eng.step()  # the prompt (first time) or its uncached tail
+            for name, prompt in prompts.items():
+                if name in eng.seqs:
+                    eng.release(name, cache=True)
+                eng.add(name, prompt, g, 64, ())
+            while any(not eng.seqs[n].generated for n in prompts):
+                eng.step()  # the prompts (first time) or their uncached tails
             state["n"] = 0
         state["n"] += 1
         t0 = time.perf_counter()
@@ -68,8 +74,8 @@ def _timed_step(model, cls: str, seed: int):
     """step() -> seconds of one step of the class, repeatable without end."""
     from pddjax.sim import step_table
 
-    if cls == "decode":
-        step = _decode_step(model, seed)
+    if cls in ("decode", "decode4"):
+        step = _decode_step(model, seed, rows=SHAPES[cls][1])
     else:
         step = step_table._engine_step(model, step_table.rows_for(SHAPES[cls]), seed)
     step()  # compile

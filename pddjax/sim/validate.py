@@ -222,6 +222,20 @@ def measured_modes(measured: dict) -> list[str]:
     return [m for m in MODES if m in measured["modes"]]
 
 
+def ensemble(preds: list[dict]) -> dict:
+    """Predictions of one trace under several calibrations (the host's costs measured at
+    different times) as one: each mode's TTFT P50 / P99 is the median over calibrations, each
+    calibration's value kept in `ttft_calibrations`; everything else is the first one's."""
+    if len(preds) == 1:
+        return preds[0]
+    out = {"modes": {}}
+    for mode, first in preds[0]["modes"].items():
+        vals = {stat: [p["modes"][mode]["ttft_ms"][stat] for p in preds] for stat in STATS}
+        out["modes"][mode] = {**first, "ttft_ms": {**first["ttft_ms"], **{k: float(np.median(v)) for k, v in vals.items()}},
+                              "ttft_calibrations": vals}
+    return out
+
+
 def compare(predicted: dict, measured: dict) -> list[dict]:
     """Rows {mode, stat, predicted_ms, measured_ms, error, ok} for modes present in both."""
     rows = []
@@ -234,7 +248,8 @@ def compare(predicted: dict, measured: dict) -> list[dict]:
             err = (p - m) / m if m else float("inf")
             rows.append({"mode": mode, "stat": stat, "predicted_ms": p, "measured_ms": m,
                          "error": err, "ok": abs(err) <= TOLERANCE,
-                         "runs": measured["modes"][mode].get("ttft_runs", {}).get(stat)})
+                         "runs": measured["modes"][mode].get("ttft_runs", {}).get(stat),
+                         "calibrations": predicted["modes"][mode].get("ttft_calibrations", {}).get(stat)})
     return rows
 
 
@@ -267,14 +282,18 @@ def per_request(predicted: dict, measured: dict, mode: str) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     """Markdown table of `compare` rows."""
     runs = any(r.get("runs") for r in rows)  # several runs: measured = their median; show each
-    lines = ["| mode | TTFT | predicted ms | measured ms | error | within 25% |" + (" runs (ms) | run spread |" if runs else ""),
-             "|---|---|---:|---:|---:|---|" + ("---|---:|" if runs else "")]
+    cals = any(r.get("calibrations") for r in rows)  # several calibrations: predicted = their median
+    lines = ["| mode | TTFT | predicted ms | measured ms | error | within 25% |" + (" runs (ms) | run spread |" if runs else "")
+             + (" predicted per calibration (ms) |" if cals else ""),
+             "|---|---|---:|---:|---:|---|" + ("---|---:|" if runs else "") + ("---|" if cals else "")]
     for r in rows:
         line = (f"| {r['mode']} | {r['stat']} | {r['predicted_ms']:.0f} | {r['measured_ms']:.0f} | "
                 f"{100 * r['error']:+.0f}% | {'yes' if r['ok'] else 'NO'} |")
         if runs and r.get("runs"):
             xs = r["runs"]
             line += f" {' / '.join(f'{x:.0f}' for x in xs)} | {100 * (max(xs) - min(xs)) / r['measured_ms']:.0f}% |"
+        if cals and r.get("calibrations"):
+            line += f" {' / '.join(f'{x:.0f}' for x in r['calibrations'])} |"
         lines.append(line)
     return "\n".join(lines)
 
