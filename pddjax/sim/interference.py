@@ -29,7 +29,7 @@ import sys
 from collections import defaultdict
 
 from pddjax.sim.crosscore import step_class
-from pddjax.sim.steplog import _table_of, read_log
+from pddjax.sim.steplog import read_log, table_of
 
 
 def _steps(path: str, window: tuple[float, float]) -> list[tuple[float, float, tuple, str]]:
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     try:
         with open(args.measured, encoding="utf-8") as f:
             measured = json.load(f)
-        table = _table_of(args.calibration)
+        table = table_of(args.calibration)
         cross, counts = from_run(measured, args.logs, table, args.modes.split(",") if args.modes else None)
     except (OSError, json.JSONDecodeError, ValueError) as e:
         print(f"interference: {e}", file=sys.stderr)

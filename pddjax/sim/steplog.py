@@ -105,7 +105,8 @@ def analyse(measured: dict, logs: str, table: dict) -> dict:
     return out
 
 
-def _table_of(path: str | None) -> dict:
+def table_of(path: str | None) -> dict:
+    """{(T, B, width, Q): seconds} from a calibration JSON's measured step_table ({} without one)."""
     if not path:
         return {}
     with open(path, encoding="utf-8") as f:
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     try:
         with open(args.measured, encoding="utf-8") as f:
             measured = json.load(f)
-        table = _table_of(args.calibration)
+        table = table_of(args.calibration)
     except (OSError, json.JSONDecodeError) as e:
         print(f"steplog: cannot read the inputs: {e}", file=sys.stderr)
         return 2
