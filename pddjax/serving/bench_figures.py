@@ -10,6 +10,7 @@ import numpy as np
 
 from pddjax.serving.bench_replay import Record
 
+
 def pct(xs) -> dict:
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     if not xs:

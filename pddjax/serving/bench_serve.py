@@ -37,6 +37,7 @@ import time
 from pddjax.errors import UserError
 from pddjax.serving.bench_figures import identity_check, markdown, mode_figures, targets
 from pddjax.serving.bench_replay import Record, replay, warmup
+from pddjax.serving.steplog import stat_cpu_s
 
 MODES = {"pdd": "auto", "pd-cross": "pd-cross", "pd-local": "pd-local", "pdd-drc-off": "auto"}
 # Default emulated WAN: see WORKSPACE_NOTES.md "WAN scaling". SmolLM2-135M f32 KV is 46,080 B/token:
@@ -195,12 +196,8 @@ class BenchStack:
 
 
 def _proc_cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    got = stat_cpu_s(f"/proc/{pid}/stat")
+    return float("nan") if got is None else got[1]
 
 
 # ---- the command -----------------------------------------------------------------------

@@ -18,9 +18,21 @@ every 256 entries or 2 s and at close; `python -m pddjax.sim.steplog` reads them
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+
+
+def stat_cpu_s(path: str) -> tuple[str, float] | None:
+    """(kernel name, user + system CPU seconds) from a /proc/.../stat file; None if it is gone."""
+    try:
+        with open(path) as f:
+            head, tail = f.read().rsplit(")", 1)
+    except OSError:
+        return None
+    fields = tail.split()
+    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 class StepLog:
@@ -38,15 +50,16 @@ class StepLog:
         os.makedirs(folder, exist_ok=True)
         return cls(os.path.join(folder, f"{name}-{os.getpid()}.jsonl"))
 
-    @staticmethod
-    def clock() -> tuple[float, float]:
-        return time.perf_counter(), time.thread_time()
-
-    def step(self, start: tuple[float, float], shape) -> None:
-        self._add({"k": "step", "shape": list(shape)}, start)
-
-    def command(self, start: tuple[float, float], name: str) -> None:
-        self._add({"k": "cmd", "name": name}, start)
+    @contextlib.contextmanager
+    def timed(self, name: str, shape=None):
+        """Log the block as a command `name`, or as a step when `shape()` gives its shape
+        afterwards. A block that raises is not logged."""
+        start = time.perf_counter(), time.thread_time()
+        yield
+        if shape is None:
+            self._add({"k": "cmd", "name": name}, start)
+        else:
+            self._add({"k": "step", "shape": list(shape())}, start)
 
     def _add(self, entry: dict, start: tuple[float, float]) -> None:
         wall, cpu = time.perf_counter() - start[0], time.thread_time() - start[1]
@@ -60,19 +73,14 @@ class StepLog:
         (asyncio) thread and all others (XLA's compute pool, gRPC's own threads)."""
         out = {"engine": 0.0, "main": 0.0, "other": 0.0}
         names: dict[str, float] = {}
-        tck = os.sysconf("SC_CLK_TCK")
         for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    head, tail = f.read().rsplit(")", 1)
-            except OSError:
+            got = stat_cpu_s(f"/proc/self/task/{tid}/stat")
+            if got is None:
                 continue  # the thread ended
-            fields = tail.split()
-            cpu = (int(fields[11]) + int(fields[12])) / tck
+            name, cpu = got
             who = "engine" if int(tid) == self.engine_tid else "main" if int(tid) == os.getpid() else "other"
             out[who] += cpu
             if who == "other":  # by the kernel's thread name (comm): tf_XLAEigen, grpc_*, ...
-                name = head.split("(", 1)[1]
                 names[name] = names.get(name, 0.0) + cpu
         self._lines.append(json.dumps({"k": "threads", "t": round(time.time(), 4),
                                        **{k: round(v, 2) for k, v in out.items()},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 import time
@@ -66,44 +67,40 @@ class EngineWorker:
                         self.log.close()
                     return
                 fn, args, cf = item
-                t0 = self.log.clock() if self.log else None
-                if cf is None:
-                    try:
-                        fn(self.engine, *args)
-                    except Exception:  # noqa: BLE001  (cleanup must not kill the thread)
-                        traceback.print_exc()
-                elif cf.set_running_or_notify_cancel():
-                    try:
-                        cf.set_result(fn(self.engine, *args))
-                    except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
-                        cf.set_exception(e)
-                if t0 is not None:
-                    self.log.command(t0, getattr(fn, "__name__", "call"))
+                with self._timed(getattr(fn, "__name__", "call")):
+                    if cf is None:
+                        try:
+                            fn(self.engine, *args)
+                        except Exception:  # noqa: BLE001  (cleanup must not kill the thread)
+                            traceback.print_exc()
+                    elif cf.set_running_or_notify_cancel():
+                        try:
+                            cf.set_result(fn(self.engine, *args))
+                        except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
+                            cf.set_exception(e)
                 try:
                     item = self._q.get_nowait()
                 except queue.Empty:
                     item = False
             if self.engine.has_work():
                 try:
-                    t0 = self.log.clock() if self.log else None
-                    events = self.engine.step()
-                    if t0 is not None:
-                        self.log.step(t0, getattr(self.engine, "last_shape", ()))
+                    with self._timed("step", lambda: getattr(self.engine, "last_shape", ())):
+                        events = self.engine.step()
                     self.steps += 1
                     if self.on_step is not None:
-                        t0 = self.log.clock() if self.log else None
-                        self.on_step(events)
-                        if t0 is not None:
-                            self.log.command(t0, "on_step")
+                        with self._timed("on_step"):
+                            self.on_step(events)
                 except Exception:  # noqa: BLE001  (keep serving; the failure is logged)
                     traceback.print_exc()
             now = time.monotonic()
             if self.metrics is not None and (now - self._snapshot_at >= 0.25 or not self.engine.has_work()):
                 self._snapshot_at = now  # num_pages_active walks every sequence: not on every step
-                t0 = self.log.clock() if self.log else None
-                self.metrics.engine_snapshot(self.snapshot())
-                if t0 is not None:
-                    self.log.command(t0, "snapshot")
+                with self._timed("snapshot"):
+                    self.metrics.engine_snapshot(self.snapshot())
+
+    def _timed(self, name: str, shape=None):
+        """The step log's timer for a block on this thread (nothing without a log)."""
+        return self.log.timed(name, shape) if self.log is not None else contextlib.nullcontext()
 
     def snapshot(self) -> dict:
         """Engine occupancy, read on the engine thread."""
