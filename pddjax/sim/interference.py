@@ -21,15 +21,13 @@ from one run and validate on others, so that no run is predicted from its own ti
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import os
 import statistics
 import sys
 from collections import defaultdict
 
 from pddjax.sim.crosscore import step_class
-from pddjax.sim.steplog import read_log, table_of
+from pddjax.sim.steplog import add_run_args, read_log, read_run, service_logs
 
 
 def _steps(path: str, window: tuple[float, float]) -> list[tuple[float, float, tuple, str]]:
@@ -89,34 +87,24 @@ def from_run(measured: dict, logs: str, table: dict, modes=None, min_cover: floa
     sets = {r: tuple(c) for r, c in (measured.get("cpus") or {}).items()}
     if len(set(sets.values())) < 2:
         raise ValueError("the benchmark did not pin its services to separate core sets")
-    runs = []
-    for mode, fig in measured.get("modes", {}).items():
-        if (modes and mode not in modes) or not fig.get("pids") or not fig.get("window"):
-            continue
-        steps = {}
-        for role, pid in fig["pids"].items():
-            paths = glob.glob(os.path.join(logs, f"*-{pid}.jsonl"))
-            if paths and role in sets:
-                steps[role] = _steps(paths[0], tuple(fig["window"]))
-        runs.append(steps)
+    runs: dict[str, dict[str, list]] = {}  # mode -> {role: its steps}
+    for mode, fig, role, path in service_logs(measured, logs, modes):
+        if role in sets:
+            runs.setdefault(mode, {})[role] = _steps(path, tuple(fig["window"]))
     if not runs:
         raise ValueError(f"no step logs of the benchmark's services in {logs} (run it with PDDJAX_STEP_LOG)")
-    rat = ratios(runs, sets, table, min_cover)
+    rat = ratios(list(runs.values()), sets, table, min_cover)
     return slowdowns(rat), {x: {y: len(v) for y, v in by.items()} for x, by in rat.items()}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pddjax.sim.interference", description=__doc__.split("\n")[0])
-    ap.add_argument("--measured", required=True)
-    ap.add_argument("--logs", required=True)
-    ap.add_argument("--calibration", required=True, help="a calibration with the measured step_table")
+    add_run_args(ap, calibration_required=True)
     ap.add_argument("--modes", help="comma list (default: every mode with logs)")
     ap.add_argument("--json", help="write the calibration with this run's cross_slowdown merged in")
     args = ap.parse_args(argv)
     try:
-        with open(args.measured, encoding="utf-8") as f:
-            measured = json.load(f)
-        table = table_of(args.calibration)
+        measured, table = read_run(args)
         cross, counts = from_run(measured, args.logs, table, args.modes.split(",") if args.modes else None)
     except (OSError, json.JSONDecodeError, ValueError) as e:
         print(f"interference: {e}", file=sys.stderr)

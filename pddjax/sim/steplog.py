@@ -88,20 +88,25 @@ def summarize(entries: list[dict], window: tuple[float, float], table: dict) -> 
     }
 
 
+def service_logs(measured: dict, logs: str, modes=None):
+    """(mode, its figures, role, log path) for every service of a `bench serve` run (its JSON
+    records pids and the measured window) that left a step log in `logs`."""
+    for mode, fig in measured.get("modes", {}).items():
+        if (modes and mode not in modes) or not fig.get("pids") or not fig.get("window"):
+            continue
+        for role, pid in fig["pids"].items():
+            paths = glob.glob(os.path.join(logs, f"*-{pid}.jsonl"))
+            if paths:
+                yield mode, fig, role, paths[0]
+
+
 def analyse(measured: dict, logs: str, table: dict) -> dict:
     """{mode: {role: summary + cpu_s}} for the modes whose services left a log in `logs`."""
     out: dict = {}
-    for mode, fig in measured.get("modes", {}).items():
-        pids, window = fig.get("pids"), fig.get("window")
-        if not pids or not window:
-            continue
-        for role, pid in pids.items():
-            paths = glob.glob(os.path.join(logs, f"*-{pid}.jsonl"))
-            if not paths:
-                continue
-            s = summarize(read_log(paths[0]), tuple(window), table)
-            s["cpu_s"] = (fig.get("cpu_s") or {}).get(role)
-            out.setdefault(mode, {})[role] = s
+    for mode, fig, role, path in service_logs(measured, logs):
+        s = summarize(read_log(path), tuple(fig["window"]), table)
+        s["cpu_s"] = (fig.get("cpu_s") or {}).get(role)
+        out.setdefault(mode, {})[role] = s
     return out
 
 
@@ -112,6 +117,21 @@ def table_of(path: str | None) -> dict:
     with open(path, encoding="utf-8") as f:
         cal = json.load(f)
     return {tuple(int(x) for x in row[:4]): row[4] / 1e3 for row in cal.get("step_table", [])}
+
+
+def add_run_args(ap: argparse.ArgumentParser, calibration_required: bool = False) -> None:
+    """The inputs of the step-log tools: a `bench serve` run, its log folder, a step table."""
+    ap.add_argument("--measured", required=True, help="bench serve JSON (with pids and window per mode)")
+    ap.add_argument("--logs", required=True, help="the PDDJAX_STEP_LOG folder of that run")
+    ap.add_argument("--calibration", required=calibration_required,
+                    help="calibration JSON with a step_table (python -m pddjax.sim.step_table)")
+
+
+def read_run(args) -> tuple[dict, dict]:
+    """(the run's JSON, the step table) named by `add_run_args`' options; OSError / JSONDecodeError."""
+    with open(args.measured, encoding="utf-8") as f:
+        measured = json.load(f)
+    return measured, table_of(args.calibration)
 
 
 def print_report(result: dict, file=sys.stdout) -> None:
@@ -129,15 +149,11 @@ def print_report(result: dict, file=sys.stdout) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pddjax.sim.steplog", description=__doc__.split("\n")[0])
-    ap.add_argument("--measured", required=True, help="bench serve JSON (with pids and window per mode)")
-    ap.add_argument("--logs", required=True, help="the PDDJAX_STEP_LOG folder of that run")
-    ap.add_argument("--calibration", help="calibration JSON with a step_table (python -m pddjax.sim.step_table)")
+    add_run_args(ap)
     ap.add_argument("--json", help="write the summaries here")
     args = ap.parse_args(argv)
     try:
-        with open(args.measured, encoding="utf-8") as f:
-            measured = json.load(f)
-        table = table_of(args.calibration)
+        measured, table = read_run(args)
     except (OSError, json.JSONDecodeError) as e:
         print(f"steplog: cannot read the inputs: {e}", file=sys.stderr)
         return 2
