@@ -60,6 +60,8 @@ class Cluster:
         hc = cfg.host
         self.hosts: dict[tuple[int, ...], Host] = {}  # core set -> the host its services share
         self._busy_t0: dict[str, float] = {}  # CPU seconds per owner when the measured phase began
+        self.shapes_before: dict[str, dict] = {}  # per engine: steps per shape when it began
+        self._step_s_t0: dict[str, float] = {}  # per engine: solo seconds of its steps when it began
         p_host = self.host_for("prefill")
         ctx = self.mean_context = sum(r.prompt_tokens + r.output_tokens / 2 for r in trace) / len(trace)
         if hc:
@@ -185,8 +187,8 @@ class Cluster:
             self.loop.run()
             self.t0 = self.loop.now
             self._busy_t0 = self.busy_by_owner()
-            self.shapes_before = {i.name: dict(self.step_model(i).shapes) for i in [*self.P, *self.D, *self.R]}
-            self.steps_before = self.steps_run()
+            self.shapes_before = {i.name: dict(m.shapes) for i, m in self._step_models()}
+            self._step_s_t0 = {i.name: m.seconds for i, m in self._step_models()}
             self.router.restart()  # bench serve restarts the router: fresh link estimates
             self.wan.set_rate(cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s)
             self.back.set_rate(cfg.wan_gbps, cfg.wan_latency_s, cfg.wan_jitter_s)
@@ -203,26 +205,22 @@ class Cluster:
     def step_model(inst):
         return getattr(inst, "steps", None) if isinstance(inst, EnginePrefill) else inst.steps_model
 
-    def steps_run(self) -> dict[str, tuple[int, float]]:
-        """Per engine with a host: (steps, their solo seconds) so far."""
-        out = {}
+    def _step_models(self):
+        """(engine, its StepModel) for every engine with a host."""
         for i in [*self.P, *self.D, *self.R]:
             m = self.step_model(i)
-            if m is not None and hasattr(m, "seconds"):
-                out[i.name] = (sum(m.shapes.values()), m.seconds)
-        return out
+            if m is not None:
+                yield i, m
 
     def measured_steps(self) -> dict[str, tuple[int, float]]:
-        """Per engine: (steps, solo seconds) in the measured phase."""
-        before = getattr(self, "steps_before", {})
-        return {k: (n - before.get(k, (0, 0.0))[0], s - before.get(k, (0, 0.0))[1])
-                for k, (n, s) in self.steps_run().items()}
+        """Per engine: (steps, their solo seconds) in the measured phase."""
+        return {i.name: (sum(m.shapes.values()) - sum(self.shapes_before.get(i.name, {}).values()),
+                         m.seconds - self._step_s_t0.get(i.name, 0.0)) for i, m in self._step_models()}
 
     def new_shapes(self) -> dict[str, int]:
         """Per engine: step shapes first used in the measured phase (each a compile in a fresh
         engine whose warm-up did not run it). Needs a host; replayed history is the warm-up."""
-        before = getattr(self, "shapes_before", {})
-        return {i.name: len(set(self.step_model(i).shapes) - set(before.get(i.name, {})))
+        return {i.name: len(set(self.step_model(i).shapes) - set(self.shapes_before.get(i.name, {})))
                 for i in [*self.P, *self.D, *self.R]}
 
     def measured(self) -> list[SimRequest]:

@@ -141,22 +141,27 @@ def simulate_mode(mode: str, perf: MeasuredInstance, wan: WanSettings, host: Hos
     }
 
 
+def _role_of(owner: str, mode: str) -> str:
+    """The `bench serve` service of a simulated owner (p0, p0-loop, d0, rld0)."""
+    if owner.startswith("p"):
+        return "prefill"
+    return "relay" if owner.startswith("rld") or mode == "pd-local" else "main"  # pd-local decodes on RLD's service
+
+
 def _cpu_by_role(by_owner: dict[str, float], mode: str) -> dict[str, float]:
     """Owners (p0, p0-loop, d0, rld0) -> the services `bench serve` records CPU time for."""
-    d_role = "relay" if mode == "pd-local" else "main"
     out: dict[str, float] = {}
     for owner, s in by_owner.items():
-        role = "prefill" if owner.startswith("p") else "relay" if owner.startswith("rld") else d_role
+        role = _role_of(owner, mode)
         out[role] = round(out.get(role, 0.0) + s, 2)
     return out
 
 
 def _steps_by_role(by_engine: dict[str, tuple[int, float]], mode: str) -> dict[str, list]:
-    """Engines (p0, d0, rld0) -> [steps, solo seconds] per service, as `_cpu_by_role`."""
+    """Engines (p0, d0, rld0) -> [steps, solo seconds] per service."""
     out: dict[str, list] = {}
     for name, (n, sec) in by_engine.items():
-        role = next(iter(_cpu_by_role({name: 0.0}, mode)))
-        have = out.setdefault(role, [0, 0.0])
+        have = out.setdefault(_role_of(name, mode), [0, 0.0])
         have[0] += n
         have[1] = round(have[1] + sec, 2)
     return out
