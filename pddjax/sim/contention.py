@@ -16,6 +16,7 @@ both. Needs a quiet machine (nothing else busy); jax is imported only inside the
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import statistics
 
@@ -32,8 +33,28 @@ def _loop(model_name: str, setup: tuple, ready, stop) -> None:
         step()
 
 
-def _times(step, repeats: int) -> float:
+def median_s(step, repeats: int) -> float:
+    """Median seconds of `repeats` calls of step() -> seconds."""
     return statistics.median(step() for _ in range(repeats))
+
+
+@contextlib.contextmanager
+def looping_child(target, args: tuple, what: str):
+    """A spawned process running target(*args, ready, stop) (a step back to back until
+    `stop`); the block runs once it has set `ready`, and the child is stopped after it."""
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=target, args=(*args, ready, stop), daemon=True)
+    child.start()
+    try:
+        if not ready.wait(600):
+            raise RuntimeError(f"the {what} child did not start within 600 s")
+        yield
+    finally:
+        stop.set()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
 
 
 def measure(model_name: str = "smollm2-135m", repeats: int = 6, cores: float = 2.0, kinds: dict = KINDS) -> dict:
@@ -42,25 +63,14 @@ def measure(model_name: str = "smollm2-135m", repeats: int = 6, cores: float = 2
 
     model = _model(model_name)
     steps = {k: _setup(model, *v, seed=0) for k, v in kinds.items()}
-    ctx = mp.get_context("spawn")
     alone: dict = {k: [] for k in steps}
     slow: dict = {}
     for other, setup in kinds.items():
-        ready, stop = ctx.Event(), ctx.Event()
-        child = ctx.Process(target=_loop, args=(model_name, setup, ready, stop), daemon=True)
-        base = {k: _times(fn, repeats) for k, fn in steps.items()}  # alone, just before
-        child.start()
-        try:
-            if not ready.wait(600):
-                raise RuntimeError("the contention child did not start within 600 s")
+        base = {k: median_s(fn, repeats) for k, fn in steps.items()}  # alone, just before
+        with looping_child(_loop, (model_name, setup), "contention"):
             for k, fn in steps.items():
-                slow[f"{k}|{other}"] = round(_times(fn, repeats) / base[k], 3)
+                slow[f"{k}|{other}"] = round(median_s(fn, repeats) / base[k], 3)
                 alone[k].append(base[k])
-        finally:
-            stop.set()
-            child.join(60)
-            if child.is_alive():
-                child.kill()
     c_p = cores * max(1.0, slow["chunk|chunk"]) / 2
     c_d = cores * max(1.0, slow["decode|decode"]) / 2
     return {"cores": cores, "step_cores": round(min(c_p, cores), 2), "decode_cores": round(min(c_d, cores), 2),

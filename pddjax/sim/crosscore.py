@@ -18,10 +18,11 @@ with at least two cores; jax is imported only inside the functions.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import time
+
+from pddjax.sim.contention import looping_child, median_s
 
 SHAPES = {"decode": (1, 1, 128, 1), "decode4": (4, 4, 128, 1), "small": (32, 1, 64, 32),
           "large": (256, 1, 64, 256)}  # step_table keys of the timed steps
@@ -93,46 +94,30 @@ def _loop(model_name: str, cls: str, core: int, ready, stop) -> None:
         step()
 
 
-def _median(step, repeats: int) -> float:
-    return statistics.median(step() for _ in range(repeats))
-
-
 def measure(model_name: str = "smollm2-135m", repeats: int = 7, cores: float = 2.0, pairs=None) -> dict:
     """{"cross_slowdown": {"x|y": slow}, "alone_ms": {x: ms}} for the pairs (default: all), timed
     on the second core of this process's affinity while the child loops on the first (`cores`:
     the shared CLI's host size, unused)."""
     from pddjax.sim.calibrate import _model
 
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise RuntimeError("crosscore needs at least two cores")
-    timed_core, loop_core = cores[1], cores[0]
     saved = os.sched_getaffinity(0)
+    if len(saved) < 2:
+        raise RuntimeError("crosscore needs at least two cores")
+    loop_core, timed_core = sorted(saved)[:2]
     os.sched_setaffinity(0, {timed_core})
     try:
         model = _model(model_name)
         steps = {c: _timed_step(model, c, seed=0) for c in SHAPES}
         pairs = pairs or [(x, y) for y in SHAPES for x in SHAPES]
-        ctx = mp.get_context("spawn")
         slow, alone = {}, {c: [] for c in SHAPES}
         for y in dict.fromkeys(y for _, y in pairs):
             xs = [x for x, yy in pairs if yy == y]
-            base = {x: _median(steps[x], repeats) for x in xs}  # alone, just before
-            ready, stop = ctx.Event(), ctx.Event()
-            child = ctx.Process(target=_loop, args=(model_name, y, loop_core, ready, stop), daemon=True)
-            child.start()
-            try:
-                if not ready.wait(600):
-                    raise RuntimeError("the crosscore child did not start within 600 s")
+            base = {x: median_s(steps[x], repeats) for x in xs}  # alone, just before
+            with looping_child(_loop, (model_name, y, loop_core), "crosscore"):
                 for x in xs:
-                    slow[f"{x}|{y}"] = round(_median(steps[x], repeats) / base[x], 3)
+                    slow[f"{x}|{y}"] = round(median_s(steps[x], repeats) / base[x], 3)
                     alone[x].append(base[x])
                     print(f"{x} while {y} runs on the other core: x{slow[f'{x}|{y}']}", flush=True)
-            finally:
-                stop.set()
-                child.join(60)
-                if child.is_alive():
-                    child.kill()
     finally:
         os.sched_setaffinity(0, saved)
     return {"cross_slowdown": slow,
