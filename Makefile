@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/python -m pddjax.demo
+	$(BIN)/python -m pddjax.cli.demo
 
 test: setup
 	$(BIN)/python -m pytest -q

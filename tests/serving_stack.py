@@ -13,8 +13,8 @@ import sys
 import threading
 import time
 
-from pddjax.serving.up import Child, spawn, stop_all, wait_ready
-from pddjax.serving.wanlink import WanLink
+from serving.stack.up import Child, spawn, stop_all, wait_ready
+from serving.stack.wanlink import WanLink
 
 
 class LinkThread:

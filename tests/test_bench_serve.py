@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from pddjax.serving import bench_figures as bf
-from pddjax.serving import bench_serve as bs
 from pddjax.workload import WorkloadConfig, generate, write_trace
+from serving.bench import figures as bf
+from serving.bench import serve as bs
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -113,7 +113,7 @@ def test_prefill_gets_its_own_cpus():
         assert sorted(set(cpus["prefill"] + cpus["relay"] + cpus["main"])) == mine
     else:
         assert cpus == {}
-    code = "import os; from pddjax.serve_cli import _pin_cpus; _pin_cpus(); print(sorted(os.sched_getaffinity(0)))"
+    code = "import os; from pddjax.cli.serve import _pin_cpus; _pin_cpus(); print(sorted(os.sched_getaffinity(0)))"
     p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PDDJAX_CPUS": str(mine[0])},
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == f"[{mine[0]}]", p.stderr

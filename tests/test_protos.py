@@ -1,19 +1,19 @@
-"""The committed stubs in pddjax/serving/pb are exactly what grpcio-tools makes of protos/."""
+"""The committed stubs in serving/pb are exactly what grpcio-tools makes of protos/."""
 
 import filecmp
 import os
 
-from pddjax.serving import protogen
+from serving import protogen
 
 
 def test_generated_code_matches_protos(tmp_path):
     names = protogen.generate(str(tmp_path))
     assert {"common_pb2.py", "router_pb2.py", "router_pb2_grpc.py", "cluster_pb2.py", "cluster_pb2_grpc.py"} <= set(names)
     committed = sorted(f for f in os.listdir(protogen.PB_DIR) if f.endswith(".py") and f != "__init__.py")
-    assert committed == sorted(names), "stale or missing stubs: run python -m pddjax.serving.protogen"
+    assert committed == sorted(names), "stale or missing stubs: run python -m serving.protogen"
     for name in names:
         assert filecmp.cmp(tmp_path / name, os.path.join(protogen.PB_DIR, name), shallow=False), (
-            f"{name} drifted from protos/: run python -m pddjax.serving.protogen")
+            f"{name} drifted from protos/: run python -m serving.protogen")
 
 
 def test_protos_keep_next_id_comments():

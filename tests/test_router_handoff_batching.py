@@ -14,10 +14,10 @@ import pytest
 from pddjax.engines.paged_engine import EngineConfig, PagedEngine
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling import SamplingParams
-from pddjax.serving import rpc
-from pddjax.serving.decode_service import DecodeService
-from pddjax.serving.kvwire import chunks
-from pddjax.serving.pb import cluster_pb2
+from serving import rpc
+from serving.engine.decode import DecodeService
+from serving.kvwire import chunks
+from serving.pb import cluster_pb2
 
 pytestmark = pytest.mark.timeout(400)
 

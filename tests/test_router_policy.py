@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from pddjax.serving import policy
-from pddjax.serving.policy import PD_CROSS, PD_LOCAL, PDD, Inputs, PolicyConfig, decide
+from pddjax import policy
+from pddjax.policy import PD_CROSS, PD_LOCAL, PDD, Inputs, PolicyConfig, decide
 
 CFG = PolicyConfig(ttft_budget_s=0.5, filter_cap=0.05, drift_tolerance=0.2, handoff_threshold=64)
 MB = 1e6 / 8  # bytes/s per Mb/s

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pddjax.serving import pools
+from serving.router import pools
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -27,10 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.errors import UserError
 from pddjax.model.sampling import SamplingParams
-from pddjax.serving.client import Client, RouterError, make_request
-from pddjax.serving.config import service_config
-from pddjax.serving.pb import router_pb2, router_pb2_grpc
-from pddjax.serving.router_admission import Admission, Deadline, Refused
+from serving.client import Client, RouterError, make_request
+from serving.config import service_config
+from serving.pb import router_pb2, router_pb2_grpc
+from serving.router.admission import Admission, Deadline, Refused
 from tests.serving_stack import Stack
 from tests.test_serving_pipelines import assert_idle
 

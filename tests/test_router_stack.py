@@ -24,8 +24,8 @@ import pytest
 
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling import SamplingParams
-from pddjax.serving.client import Client, make_request
-from pddjax.serving.pb import router_pb2, router_pb2_grpc
+from serving.client import Client, make_request
+from serving.pb import router_pb2, router_pb2_grpc
 from tests.serving_stack import UpProcess, pid_alive
 
 pytestmark = pytest.mark.timeout(400)

@@ -22,9 +22,9 @@ import pytest
 
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling import SamplingParams
-from pddjax.serving.client import Client, make_request
-from pddjax.serving.lifecycle import Gate, gated_servicer
-from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc
+from serving.client import Client, make_request
+from serving.gate import Gate, gated_servicer
+from serving.pb import cluster_pb2, cluster_pb2_grpc
 from tests.serving_stack import Stack
 from tests.test_serving_pipelines import assert_idle
 

@@ -34,17 +34,17 @@ import pytest
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.kv.canonical import KVRun
 from pddjax.model.sampling import SamplingParams
-from pddjax.serving import kvwire
-from pddjax.serving.client import Client, make_request
-from pddjax.serving.pb import (
+from pddjax.wan.emulator import A_TO_B, B_TO_A
+from serving import kvwire
+from serving.client import Client, make_request
+from serving.pb import (
     cluster_pb2,
     cluster_pb2_grpc,
     common_pb2,
     router_pb2,
     router_pb2_grpc,
 )
-from pddjax.serving.up import spawn, stop_all, wait_ready
-from pddjax.wan.emulator import A_TO_B, B_TO_A
+from serving.stack.up import spawn, stop_all, wait_ready
 from tests.serving_stack import LinkThread
 
 pytestmark = pytest.mark.timeout(300)

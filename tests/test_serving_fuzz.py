@@ -11,7 +11,7 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc
+from serving.pb import cluster_pb2, cluster_pb2_grpc
 from tests.serving_stack import Stack
 
 pytestmark = pytest.mark.timeout(600)
@@ -78,7 +78,7 @@ for _name in dir(cluster_pb2):
     _c = getattr(cluster_pb2, _name)
     if hasattr(_c, "DESCRIPTOR") and hasattr(_c.DESCRIPTOR, "full_name"):
         _classes[_c.DESCRIPTOR.full_name] = _c
-from pddjax.serving.pb import common_pb2  # noqa: E402
+from serving.pb import common_pb2  # noqa: E402
 
 for _name in dir(common_pb2):
     _c = getattr(common_pb2, _name)

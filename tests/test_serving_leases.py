@@ -22,10 +22,10 @@ import pytest
 
 from pddjax.kv.canonical import KVRun
 from pddjax.kv.page_hash import chain_hashes
-from pddjax.serving import kvwire
-from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
-from pddjax.serving.up import spawn, stop_all, wait_ready
 from pddjax.wan.emulator import B_TO_A
+from serving import kvwire
+from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
+from serving.stack.up import spawn, stop_all, wait_ready
 from tests.serving_stack import LinkThread
 from tests.test_serving_cancel import pages_active_gauge
 

@@ -17,10 +17,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pddjax.serving import rpc
-from pddjax.serving.lifecycle import Gate, gated_servicer
-from pddjax.serving.metrics import ServiceMetrics
-from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc
+from serving import rpc
+from serving.gate import Gate, gated_servicer
+from serving.metrics import ServiceMetrics
+from serving.pb import cluster_pb2, cluster_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)
 DECODE = cluster_pb2.DESCRIPTOR.services_by_name["Decode"]

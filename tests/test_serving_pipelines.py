@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from pddjax.engines.reference import ReferenceEngine
-from pddjax.model.sampling import SamplingParams
-from pddjax.serving.client import Client, RouterError, make_request
-from pddjax.serving.kvwire import chunks
 from pddjax.kv.canonical import KVRun
-from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc
+from pddjax.model.sampling import SamplingParams
+from serving.client import Client, RouterError, make_request
+from serving.kvwire import chunks
+from serving.pb import cluster_pb2, cluster_pb2_grpc
 from tests.serving_stack import Stack
 
 pytestmark = pytest.mark.timeout(400)  # a cold jit cache (CI) compiles in three processes

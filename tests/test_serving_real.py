@@ -9,7 +9,7 @@ import pytest
 
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling import SamplingParams
-from pddjax.serving.client import Client, make_request
+from serving.client import Client, make_request
 from tests.serving_stack import UpProcess
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(400)]

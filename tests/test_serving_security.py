@@ -10,9 +10,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling import SamplingParams
-from pddjax.serving import security
-from pddjax.serving.client import Client, RouterError, make_request
-from pddjax.serving.pb import cluster_pb2, cluster_pb2_grpc
+from serving import security
+from serving.client import Client, RouterError, make_request
+from serving.pb import cluster_pb2, cluster_pb2_grpc
 from tests.serving_stack import Stack
 
 pytestmark = pytest.mark.timeout(400)

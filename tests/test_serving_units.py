@@ -10,9 +10,9 @@ import pytest
 
 from pddjax.errors import UserError
 from pddjax.kv.canonical import KVRun
-from pddjax.serving import kvwire
-from pddjax.serving.config import service_config
-from pddjax.serving.wanlink import WanLink
+from serving import kvwire
+from serving.config import service_config
+from serving.stack.wanlink import WanLink
 
 pytestmark = pytest.mark.timeout(60)
 

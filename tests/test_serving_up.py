@@ -23,7 +23,7 @@ from pddjax.engines.reference import ReferenceEngine
 from pddjax.model import weights as wmod
 from pddjax.model.dense import forward_full
 from pddjax.model.sampling import SamplingParams
-from pddjax.serving.client import Client, make_request
+from serving.client import Client, make_request
 from tests.serving_stack import UpProcess, pid_alive
 
 pytestmark = pytest.mark.timeout(400)

@@ -1,7 +1,8 @@
 """Simulator building blocks: event loop, line, cache, lineage, timing profiles."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pddjax.sim.cache import PrefixCache
 from pddjax.sim.events import EventLoop, SimError

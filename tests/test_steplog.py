@@ -9,9 +9,9 @@ import pytest
 
 from pddjax.engines.fake_engine import FakeEngine
 from pddjax.model.sampling import SamplingParams
-from pddjax.serving.steplog import StepLog
-from pddjax.serving.worker import EngineWorker
 from pddjax.sim import steplog
+from serving.engine.steplog import StepLog
+from serving.engine.worker import EngineWorker
 
 
 def test_worker_logs_each_step_and_command_with_the_threads_cpu(tmp_path, monkeypatch):

@@ -4,10 +4,19 @@ import dataclasses
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pddjax.workload import (PRESETS, TokenBuilder, WorkloadConfig, fixed_hit_mix, generate,
-                             read_trace, summarize, write_trace)
+from pddjax.workload import (
+    PRESETS,
+    TokenBuilder,
+    WorkloadConfig,
+    fixed_hit_mix,
+    generate,
+    read_trace,
+    summarize,
+    write_trace,
+)
 
 
 def small(**kw) -> WorkloadConfig:

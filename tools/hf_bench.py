@@ -28,12 +28,12 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
-import warnings
 
 hf_logging.set_verbosity_error()
 warnings.filterwarnings("ignore", category=FutureWarning)

@@ -49,11 +49,11 @@ import os
 import platform
 import sys
 
+import gguf
 import numpy as np
+import tokenizers
 import torch
 import transformers
-import gguf
-import tokenizers
 from tokenizers import Tokenizer, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 

@@ -33,7 +33,7 @@ from pddjax.engines.reference import ReferenceEngine  # noqa: E402
 from pddjax.model.jax_setup import configure  # noqa: E402
 from pddjax.model.registry import load_model  # noqa: E402
 from pddjax.model.sampling import SamplingParams  # noqa: E402
-from pddjax.serving.client import Client, make_request  # noqa: E402
+from serving.client import Client, make_request  # noqa: E402
 from tests.serving_stack import Stack  # noqa: E402
 from tests.test_serving_pipelines import assert_idle  # noqa: E402
 

@@ -20,7 +20,7 @@ class KVPool:
 
     @classmethod
     def zeros(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
-              dtype) -> "KVPool":
+              dtype) -> KVPool:
         shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from pddjax.kv.allocator import NULL_PAGE, PageAllocator
 from pddjax.kv.page_hash import ROOT_HASH, chain_hashes, page_hash
@@ -40,8 +40,8 @@ class RadixNode:
 
     __slots__ = ("tokens", "hash", "page", "parent", "children", "last_access", "lock_ref", "uid")
 
-    def __init__(self, tokens: tuple[int, ...], h: int, page: Optional[int],
-                 parent: Optional["RadixNode"], uid: int):
+    def __init__(self, tokens: tuple[int, ...], h: int, page: int | None,
+                 parent: RadixNode | None, uid: int):
         self.tokens = tokens  # (page_size,) token ids of this page; () for the root
         self.hash = h  # chained hash of the prefix ending with this page
         self.page = page  # KV page id; None for the root

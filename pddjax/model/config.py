@@ -39,7 +39,7 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:  # for float32 K and V over all layers
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
-    def replace(self, **kw) -> "ModelConfig":
+    def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
 

@@ -21,7 +21,7 @@ class DenseKV:
     v: jax.Array  # [L, B, C, K, D]
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "DenseKV":
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> DenseKV:
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 

@@ -30,7 +30,7 @@ class GGUFTokenizer:
         self._id_to_token = id_to_token
 
     @classmethod
-    def from_reader(cls, reader) -> "GGUFTokenizer":
+    def from_reader(cls, reader) -> GGUFTokenizer:
         f = lambda k, d=None: gguf_loader.field(reader, k, d)  # noqa: E731
         model = f("tokenizer.ggml.model")
         if model != "gpt2":
@@ -68,7 +68,7 @@ class GGUFTokenizer:
                 "add_bos": self.add_bos, "chat_template": self.chat_template}
 
     @classmethod
-    def from_json(cls, d: dict) -> "GGUFTokenizer":
+    def from_json(cls, d: dict) -> GGUFTokenizer:
         tok = Tokenizer.from_str(d["tokenizer"])
         tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size(with_added_tokens=True))]
         return cls(tok, bos_id=d["bos_id"], eos_id=d["eos_id"], add_bos=d["add_bos"],

@@ -249,8 +249,8 @@ def _wire(n: int = 1024, repeats: int = 3) -> dict:
 
     from pddjax.kv.canonical import export_run, import_run
     from pddjax.kv.pool import KVPool
-    from pddjax.serving.kvwire import Assembler, Chunker
-    from pddjax.serving.pb import cluster_pb2
+    from serving.kvwire import Assembler, Chunker
+    from serving.pb import cluster_pb2
 
     pool = KVPool.zeros(30, 3, 1024, 16, 64, jnp.float32)  # SmolLM2-135M's layout
     pages = list(range(1, n // 16 + 2))

@@ -36,7 +36,7 @@ class TraceStats:
     prefill_pairs: list[tuple[int, int]]  # (new, cached) per request as P sees it
 
     @classmethod
-    def of(cls, trace: list[TraceRequest]) -> "TraceStats":
+    def of(cls, trace: list[TraceRequest]) -> TraceStats:
         prev_out: dict[tuple[int, int], int] = {(r.session_id, r.turn): r.output_tokens for r in trace}
         pairs = []
         for r in trace:

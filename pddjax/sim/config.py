@@ -92,7 +92,7 @@ class ClusterConfig:
     drc: bool = True  # decode side keeps a prefix cache (DRC)
     tpot_target_s: float = 0.05  # decode batch is capped so a step fits this
     seed: int = 0
-    # The router's policy (pddjax.serving.policy): rld_threshold_s is its TTFT budget.
+    # The router's policy (pddjax.policy): rld_threshold_s is its TTFT budget.
     filter_cap: float = 1.0  # share of recent decisions the singular filter may take (router: 0.05)
     filter_window: int = 200
     drift_tolerance: float = float("inf")  # sessions lagging more on MD are never filtered (router: 0.2)
@@ -130,7 +130,7 @@ class ClusterConfig:
             "cost_per_hour": round(self.cost_per_hour, 3),
         }
 
-    def replace(self, **kw) -> "ClusterConfig":
+    def replace(self, **kw) -> ClusterConfig:
         return dataclasses.replace(self, **kw)
 
 

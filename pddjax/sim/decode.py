@@ -43,7 +43,7 @@ class Seq:
                  "finish_at", "reserved", "on_admit", "on_finish", "id", "emitted_final")
 
     def __init__(self, req, need: int, ctx: int, remaining: int, auto_start: bool,
-                 on_admit: Callable[["Seq"], None], on_finish: Callable[["Seq"], None]):
+                 on_admit: Callable[[Seq], None], on_finish: Callable[[Seq], None]):
         self.req, self.need, self.auto_start = req, int(need), auto_start
         self.base_ctx, self.base_emitted, self.join = ctx, 1, 0
         self.finish_at = remaining  # relative until started

@@ -1,6 +1,6 @@
 """A prefill (P) instance that runs like pddjax's P service, step by step, on a shared host.
 
-What the real P does (pddjax/serving/prefill_service.py, engines/paged_engine.py):
+What the real P does (serving/engine/prefill.py, engines/paged_engine.py):
 - admission: the prompt joins the engine at once (no FIFO of whole prompts); its prefix-cache
   hit is page-granular and leaves at least one token to compute; the cached part's KV is
   exported and streamed to the targets right away (a command on the engine thread);

@@ -31,7 +31,7 @@ ID_BYTES = 4
 
 
 class Handoff:
-    def __init__(self, cluster: "Cluster"):
+    def __init__(self, cluster: Cluster):
         self.c = cluster
         self.id_bytes = 0
         self.cancelled_transfers = 0

@@ -44,7 +44,7 @@ class Accelerator:
     price_per_hour: float  # USD per chip-hour (illustrative)
     source: str = ""
 
-    def with_price(self, price_per_hour: float) -> "Accelerator":
+    def with_price(self, price_per_hour: float) -> Accelerator:
         return dataclasses.replace(self, price_per_hour=price_per_hour)
 
 

@@ -92,7 +92,7 @@ class MeasuredInstance:
     first_use_s: float = 0.0  # extra seconds of a step shape's first use in an engine (lower + load the executable)
 
     @classmethod
-    def from_json(cls, obj: dict, cost_per_hour: float = 1.0) -> "MeasuredInstance":
+    def from_json(cls, obj: dict, cost_per_hour: float = 1.0) -> MeasuredInstance:
         rate = obj.get("prefill_tokens_per_s")
         if not isinstance(rate, (int, float)) or rate <= 0:
             raise ValueError("engine profile needs a positive 'prefill_tokens_per_s'")
@@ -110,7 +110,7 @@ class MeasuredInstance:
         )
 
     @classmethod
-    def load(cls, path: str | Path, cost_per_hour: float = 1.0) -> "MeasuredInstance":
+    def load(cls, path: str | Path, cost_per_hour: float = 1.0) -> MeasuredInstance:
         with open(path, encoding="utf-8") as f:
             return cls.from_json(json.load(f), cost_per_hour)
 

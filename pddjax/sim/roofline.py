@@ -50,7 +50,7 @@ class RooflineInstance:
     overhead_s: float = 0.0  # fixed cost per forward pass (launch, collectives); 0 = pure roofline
 
     @classmethod
-    def build(cls, acc: Accelerator, model: ModelProfile, chips: int | None = None) -> "RooflineInstance":
+    def build(cls, acc: Accelerator, model: ModelProfile, chips: int | None = None) -> RooflineInstance:
         return cls(acc=acc, model=model, chips=chips or chips_for(model, acc))
 
     @property

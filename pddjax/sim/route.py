@@ -4,7 +4,7 @@ At send time (what pddjax's router does in `_plan`):
 - P: the instance with the earliest predicted finish (cache-aware load balancing).
 - MD / D: the instance with the largest DRC hit among those whose load is within
   `LOAD_SLACK` of the least loaded one (session affinity unless it would pile up).
-- pipeline: pd-local -> P-D, pd-cross -> P-MD; pdd -> `pddjax.serving.policy.decide`, the
+- pipeline: pd-local -> P-D, pd-cross -> P-MD; pdd -> `pddjax.policy.decide`, the
   real router's decision, fed the same estimates it keeps: the link's throughput and latency
   measured from completed transfers (`LinkEstimator`, timed from P's admission to MD's
   acknowledgement, as P's push is), RLD's measured decode speed, the session's output
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pddjax.serving.policy import (
+from pddjax.policy import (
     PD_CROSS,
     PD_LOCAL,
     Ewma,

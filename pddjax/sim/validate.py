@@ -54,7 +54,7 @@ class WanSettings:
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """The router's defaults (pddjax.serving.config.RouterSettings) that the policy uses."""
+    """The router's defaults (serving.config.RouterSettings) that the policy uses."""
 
     ttft_budget_s: float = 0.5
     filter_cap: float = 0.05

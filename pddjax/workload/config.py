@@ -87,7 +87,7 @@ class WorkloadConfig:
         """Steady-state requests per second: session_rate * turns_mean."""
         return self.session_rate * self.turns_mean
 
-    def with_request_rate(self, rps: float) -> "WorkloadConfig":
+    def with_request_rate(self, rps: float) -> WorkloadConfig:
         """Same workload with the session rate scaled to give `rps` requests/s."""
         return dataclasses.replace(self, session_rate=rps / self.turns_mean)
 

@@ -52,7 +52,6 @@ from jax.experimental import pallas as pl
 
 from pddjax.model.attention.xla_paged import MASK_VALUE, pack_rows, row_token_index
 
-
 # float32 operands are multiplied as float32 (Triton's default would be TF32, ~1e-3 error);
 # bf16 operands are exact products either way.
 _EXACT = lax.Precision.HIGHEST

@@ -1,0 +1,173 @@
+"""The handoff between the Decode services: RLD's Handoff RPC and MD's HandoffTokens.
+
+  Handoff      (RLD) hand token IDs to MD: one-shot, or chunk by chunk while more than the
+               threshold is pending; RLD pauses, MD acknowledges, RLD's stream ends with
+               handed_off_at = N and RLD releases the request. Each HandoffTokens try is
+               retried when its connection breaks or its answer is lost.
+  HandoffTokens (MD) append RLD's tokens and extend-decode them; a non-final chunk is
+               acknowledged once MD has caught up on it; on the final one MD emits from N on.
+               Applied once per (request, chunk_seq | final): the dedupe table `self.handoffs`
+               outlives the slot, and MD answers a repeat like the first.
+
+A mixin of DecodeService (decode_service.py): the service provides `self.role`, `self.worker`
+(EngineWorker), `self.slots` (request id -> Slot), `self.channels` (address -> grpc.aio.Channel),
+`self.handoffs` (OrderedDict: (request, chunk_seq | "final") -> ((start, n, tokens' crc), ack
+future)), and the engine-thread helpers `_touch`, `_close` and `_emit_held`."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import os
+import sys
+import zlib
+
+import grpc
+
+from serving import rpc
+from serving.engine.slot import RpcFailure, resolve
+from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
+
+HANDOFF_TIMEOUT_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_TIMEOUT_SECONDS", "10"))  # per HandoffTokens try
+HANDOFF_RETRY_WAITS = (0.2, 0.5, 1.0)  # before each retry of the same chunk (MD applies it once)
+HANDOFFS_REMEMBERED = 10000  # MD: applied handoff chunks (a retry is answered, never applied twice)
+
+
+class DecodeHandoff:
+    async def Handoff(self, request, context):
+        """RLD: hand the request's token IDs to MD (one-shot or chunked), then stop."""
+        rid = request.request_id
+        self._touch(rid)
+        slot = self.slots.get(rid)
+        if slot is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
+        # MD may hold its KV before RLD does (a large DRC hit): hand off only once RLD decodes
+        await slot.decoding.wait()
+        ch = self.channels.get(request.main_address) or rpc.channel(request.main_address, rpc.PEER_CHANNEL_OPTIONS)
+        self.channels[request.main_address] = ch
+        md = cluster_pb2_grpc.DecodeStub(ch)
+        chunked = request.mode == common_pb2.HANDOFF_MODE_CHUNKED
+        threshold = request.threshold or 64
+        sent, chunks = 0, 0
+        while True:
+            toks = await self.worker.call(_snapshot, rid)
+            if toks is None:  # RLD finished first
+                return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
+            if chunked and len(toks) - sent > threshold:
+                await self._send_tokens(md, cluster_pb2.HandoffTokensRequest(
+                    request_id=rid, start_position=sent, token_ids=toks[sent:], final=False, chunk_seq=chunks))
+                sent, chunks = len(toks), chunks + 1
+                continue
+            toks = await self.worker.call(_pause, rid)
+            if toks is None:
+                return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
+            try:
+                await self._send_tokens(md, cluster_pb2.HandoffTokensRequest(
+                    request_id=rid, start_position=sent, token_ids=toks[sent:], final=True, chunk_seq=chunks))
+            except BaseException:
+                self.worker.run_soon(_resume, rid)  # MD failed (or we were cancelled): RLD finishes the request
+                raise
+            await self.worker.call(self._handed_off, rid, len(toks))
+            return cluster_pb2.HandoffResponse(handed_off=True, handed_off_at=len(toks), chunks=chunks + 1, tokens=len(toks))
+
+    async def _send_tokens(self, md, req) -> None:
+        """RLD: one HandoffTokens, retried when the connection breaks or the answer is lost
+        (UNAVAILABLE, DEADLINE_EXCEEDED): MD keys it by (request, chunk_seq | final) and applies
+        it once, answering a retry with the first attempt's acknowledgement."""
+        for wait in (*HANDOFF_RETRY_WAITS, None):
+            try:
+                await md.HandoffTokens(req, timeout=HANDOFF_TIMEOUT_SECONDS)
+                return
+            except grpc.aio.AioRpcError as e:
+                if wait is None or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                print(f"{self.role}: handoff {req.request_id} chunk {req.chunk_seq} (final={req.final}) failed "
+                      f"({e.code().name}); retrying in {wait} s", file=sys.stderr, flush=True)
+                await asyncio.sleep(wait)
+
+    def _handed_off(self, e, rid, n):
+        """Engine thread (RLD): MD took over at output position n; end the stream and release."""
+        slot = self.slots.get(rid)
+        if slot is not None:
+            self._close(slot, cluster_pb2.TokenBatch(start_position=n, handed_off=True, handed_off_at=n))
+
+    async def HandoffTokens(self, request, context):
+        """MD: append RLD's token IDs (extend-decode them); ack a chunk once caught up."""
+        rid = request.request_id
+        self._touch(rid)
+        key = (rid, "final" if request.final else request.chunk_seq)
+        sig = (request.start_position, len(request.token_ids), zlib.crc32(array.array("I", request.token_ids)))
+        if key in self.handoffs:  # a retry whose answer was lost, or a duplicate: applied once only
+            first, prev = self.handoffs[key]
+            if first != sig:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"handoff {key[1]} of {rid} was already applied with other tokens")
+            caught = await asyncio.shield(prev)
+            if isinstance(caught, RpcFailure):
+                await context.abort(caught.code, caught.message)
+            return cluster_pb2.HandoffTokensResponse(caught_up_to=max(caught, 0))
+        if rid not in self.slots:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
+        fut = asyncio.get_running_loop().create_future()
+        self.handoffs[key] = (sig, fut)
+        while len(self.handoffs) > HANDOFFS_REMEMBERED:
+            self.handoffs.popitem(last=False)
+
+        def apply(e):
+            seq, slot = e.seqs.get(rid), self.slots.get(rid)
+            if seq is None or slot is None or slot.closed:
+                raise KeyError(rid)
+            start, toks = request.start_position, list(request.token_ids)
+            if request.final and start + len(toks) == 0:
+                raise ValueError(f"the final handoff for {rid} carries no token")
+            if start > len(seq.generated):
+                raise ValueError(f"handoff for {rid} starts at {start} but MD knows {len(seq.generated)} tokens")
+            for i, t in enumerate(toks):  # tokens sampled here ahead of RLD must agree
+                p = start + i
+                if p < len(seq.generated) and seq.generated[p] != t:
+                    seq.rollback(p)
+                    break
+            seq.append_known(start, toks)
+            seq.paused = False
+            end = start + len(toks)
+            if request.final:
+                slot.emit_from = end
+                self._emit_held(slot)
+                fut.get_loop().call_soon_threadsafe(resolve, fut, min(seq.pages.num_tokens - len(seq.prompt), end))
+            elif seq.pages.num_tokens >= len(seq.prompt) + end or seq.finish_reason:
+                fut.get_loop().call_soon_threadsafe(resolve, fut, end)
+            else:
+                slot.waiters.append((len(seq.prompt) + end, fut))
+
+        try:
+            await self.worker.call(apply)
+        except (KeyError, ValueError) as e:
+            failure = (RpcFailure(grpc.StatusCode.NOT_FOUND, f"request {rid} is no longer on {self.role}")
+                       if isinstance(e, KeyError) else RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+            self.handoffs.pop(key, None)
+            resolve(fut, failure)  # a duplicate waiting on this attempt fails alike
+            await context.abort(failure.code, failure.message)
+        caught = await fut
+        return cluster_pb2.HandoffTokensResponse(caught_up_to=max(caught, 0))
+
+
+def _snapshot(e, rid):
+    """Engine thread (RLD): the tokens generated so far, or None once finished."""
+    seq = e.seqs.get(rid)
+    return None if seq is None or seq.finish_reason else list(seq.generated)
+
+
+def _pause(e, rid):
+    """Engine thread (RLD): pause for the final handoff; the tokens to hand, or None once finished."""
+    seq = e.seqs.get(rid)
+    if seq is None or seq.finish_reason:
+        return None
+    seq.paused = True
+    return list(seq.generated)
+
+
+def _resume(e, rid):
+    """Engine thread (RLD): the final handoff failed; decode on here."""
+    seq = e.seqs.get(rid)
+    if seq is not None:
+        seq.paused = False

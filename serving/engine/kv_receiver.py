@@ -1,0 +1,98 @@
+"""The KV import side of the Decode services: PushKV, the chunks P streams into RLD and MD.
+
+Chunks land in the pool as they arrive (P streams them while still prefilling); imports are
+coalesced. On the last chunk the known tokens (P's first token) are appended and decoding
+starts (RLD; MD in pd-cross); with none, the sequence stays paused for RLD's handoff (MD in pdd).
+A chunk for a request that is not reserved here is NOT_FOUND, or ABORTED after a cancel.
+
+A mixin of DecodeService (decode_service.py): the service provides `self.role`, `self.engine`,
+`self.worker` (EngineWorker), `self.slots` (request id -> Slot), `self.cancelled` (tombstones),
+and the helpers `_touch`, `_fail` and `_emit_held`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from pddjax.kv.canonical import KVImportError
+from serving.kvwire import Assembler, WireError
+from serving.pb import cluster_pb2
+
+
+class DecodeKV:
+    async def PushKV(self, request_iterator, context):
+        """Chunks are read as they come; imports are coalesced: while one import waits for the
+        engine thread (a step in flight), the chunks that arrive meanwhile are imported together
+        by the next call, so a long push costs a few engine calls, not one per chunk."""
+        asm, rid, imported = Assembler(self.engine.fingerprint), None, 0
+        batch: list = []  # KV runs assembled, not yet handed to the engine thread
+        pending = None  # the import in flight (a task)
+
+        async def settle(wait: bool) -> None:
+            nonlocal pending, batch, imported
+            if pending is not None and (wait or pending.done()):
+                ok, pending = await pending, None
+                if not ok:
+                    raise self._gone(rid)  # released while its KV was on the way: dropped
+            if pending is None and batch:
+                imported += sum(r.num_tokens for r in batch)
+                pending, batch = asyncio.ensure_future(self.worker.call(self._import_all, rid, batch)), []
+                pending.add_done_callback(_observed)  # an error after the stream broke is not "never retrieved"
+        try:
+            async for chunk in request_iterator:
+                rid = rid or chunk.request_id
+                self._touch(rid)
+                if rid not in self.slots:
+                    raise self._gone(rid)
+                run = asm.feed(chunk)
+                if run is not None:
+                    batch.append(run)
+                await settle(wait=False)
+                if chunk.last:
+                    while pending is not None or batch:  # the import in flight, then the runs queued behind it
+                        await settle(wait=True)
+                    if not await self.worker.call(self._kv_complete, rid, list(chunk.known_tokens)):
+                        raise self._gone(rid)
+                    return cluster_pb2.PushKVResponse(tokens_imported=imported, bytes_received=asm.bytes, chunks=asm.next_seq)
+        except (WireError, KVImportError) as e:
+            code = e.code_name if isinstance(e, WireError) else "FAILED_PRECONDITION"
+            if rid in self.slots and code not in ("NOT_FOUND", "ABORTED"):  # never decoded: drop it
+                await self.worker.call(self._fail, rid, getattr(grpc.StatusCode, code), str(e))
+            await context.abort(getattr(grpc.StatusCode, code), str(e))
+        await context.abort(grpc.StatusCode.DATA_LOSS, f"KV stream for {rid} ended before its last chunk")
+
+    def _gone(self, rid) -> WireError:
+        """A chunk for a request that is not (or no longer) here: late after a cancel, or unknown."""
+        if rid in self.cancelled:
+            return WireError("ABORTED", f"request {rid} was released on {self.role}; its KV is dropped")
+        return WireError("NOT_FOUND", f"request {rid} is not reserved on {self.role}")
+
+    def _import_all(self, e, rid, runs) -> bool:
+        """Engine thread: write KV pieces (in order) if the request is still open here (else drop them)."""
+        slot = self.slots.get(rid)
+        if slot is None or slot.closed or rid not in e.seqs:
+            return False
+        for run in runs:
+            e.import_kv(rid, run)
+        return True
+
+    def _kv_complete(self, e, rid, known) -> bool:
+        """Engine thread: the last chunk landed. False if the request is no longer open here."""
+        slot, seq = self.slots.get(rid), e.seqs.get(rid)
+        if slot is None or seq is None or slot.closed:
+            return False
+        if slot.emit_from is not None:
+            return True  # a second push, from a P that replaced a failed one, changes nothing
+        if known:
+            seq.append_known(0, known)
+            seq.paused = False
+            slot.emit_from = 0
+            self.worker.post(slot.decoding.set)
+            self._emit_held(slot)
+        return True
+
+
+def _observed(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,251 @@
+"""The Prefill service (P). One engine, one engine thread; concurrent prompts are batched by
+the engine's packed step.
+
+Prefill(spec, targets): add() with max_tokens=1 (own prefix cache). After every engine step
+the prompt tokens computed so far are exported in the canonical form and streamed to every
+target at once (dual path: all of it to RLD, only MD's missing suffix to MD), so the transfer
+overlaps the (chunked) prefill; the step that samples the first token exports the rest, the
+first token rides on the last chunk, and P's prefix cache gets the prompt at once. The
+response stream reports `prefilled` and one `transfer_done` per target (with its error code).
+
+KV lease: P holds a finished prefill's pages for its targets until each acknowledges the
+import (its PushKV answers after the last chunk landed) or fails, or KV_LEASE_SECONDS
+(PDDJAX_KV_LEASE_SECONDS) pass after the prefill: then P frees them and cancels what is
+left (DEADLINE_EXCEEDED). A cancel or Release frees at once; a late acknowledgement finds no
+call to answer, a late Release finds nothing (found=False).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+
+import grpc
+
+from pddjax.kv.allocator import OutOfPages
+from serving import kvwire, rpc
+from serving.engine.info import EngineRpcs
+from serving.engine.worker import EngineWorker
+from serving.pb import cluster_pb2, cluster_pb2_grpc
+
+
+class PrefillService(EngineRpcs, cluster_pb2_grpc.PrefillServicer):
+    def __init__(self, engine, model_config, info: dict):
+        self.engine, self.cfg, self.info = engine, model_config, info
+        self.progress: dict[str, _Progress] = {}  # requests still prefilling (engine thread)
+        self.pushes: dict[str, list[asyncio.Task]] = {}
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.worker: EngineWorker | None = None
+
+    def start(self, loop) -> None:
+        self.worker = EngineWorker(self.engine, loop, self._on_step, name="engine-prefill")
+
+    async def Prefill(self, request, context):
+        rid, prompt, params, max_tokens, stop_ids = rpc.spec_from_pb(request.spec)
+        err = rpc.validate_spec(self.cfg, rid, prompt, params, max_tokens)
+        if err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        if rid in self.progress or rid in self.pushes:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already on prefill")
+        targets, n = list(request.targets), len(prompt)
+        start0 = min(min((t.start for t in targets), default=n), n - 1)
+        st = _Progress(n, start0, [asyncio.Queue() for _ in targets], asyncio.get_running_loop().create_future())
+        self.progress[rid] = st
+        t0 = time.perf_counter()
+
+        def admit(e):
+            seq = e.add(rid, prompt, params, 1, stop_ids, hold_on_finish=True)
+            self._export(e, rid, st, None)  # the part P's prefix cache already holds goes out at once
+            return seq.pages.num_cached
+
+        chunk_bytes = request.chunk_bytes or rpc.DEFAULT_CHUNK_BYTES
+        tasks: list[asyncio.Task] = []
+        try:
+            try:
+                cached = await self.worker.call(admit)
+            except OutOfPages:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the prefill pool cannot hold {n} tokens now")
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            tasks = [asyncio.create_task(self._push(rid, t, q, max(t.start, start0), n, chunk_bytes))
+                     for t, q in zip(targets, st.queues)]
+            self.pushes[rid] = tasks
+            try:
+                first = await st.first
+            except _Released as e:
+                await context.abort(grpc.StatusCode.ABORTED, str(e))
+            yield cluster_pb2.PrefillEvent(prefilled=cluster_pb2.Prefilled(
+                first_token=first, num_cached=cached, prefill_ms=1e3 * (time.perf_counter() - t0)))
+            # P's KV lease: the pages stay held until every target acknowledged its import (its
+            # PushKV answered), failed, or KV_LEASE_SECONDS passed since the prefill finished
+            loop = asyncio.get_running_loop()
+            lease_end, pending = loop.time() + KV_LEASE_SECONDS, dict(zip(tasks, targets))
+            while pending:
+                done, _ = await asyncio.wait(pending, timeout=max(0.0, lease_end - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                events = [] if done else [_lease_expired(rid, pending[t]) for t in pending]
+                for t in done or list(pending):
+                    del pending[t]
+                    if not done:
+                        t.cancel()  # a late acknowledgement finds no call to answer
+                    elif not t.cancelled():
+                        events.append(t.result())
+                if not pending:
+                    self.worker.run_soon(self._drop, rid)  # every target answered or timed out: free now
+                for ev in events:
+                    yield cluster_pb2.PrefillEvent(transfer_done=ev)
+        finally:
+            self.pushes.pop(rid, None)
+            for t in tasks:
+                t.cancel()
+            self.worker.run_soon(self._drop, rid)  # never skipped, even if this handler is being cancelled
+
+    def _drop(self, e, rid) -> None:
+        """Engine thread: free a request's pages (its peers are done with them, it was cancelled,
+        or it failed). A finished prefill is in the prefix cache already (`cache_prefix`)."""
+        self.progress.pop(rid, None)
+        if rid in e.seqs:
+            e.release(rid, cache=False)
+
+    def _export(self, e, rid, st, first) -> None:
+        """Engine thread: send the prompt tokens computed since the last export to every target."""
+        seq = e.seqs[rid]
+        upto = min(seq.pages.num_tokens, st.n)
+        if upto > st.sent and st.queues:
+            run = e.export_kv(rid, st.sent, upto)
+            for q in st.queues:
+                self.worker.post(q.put_nowait, (run, first))
+            st.sent = upto
+
+    def _on_step(self, events) -> None:
+        firsts = {ev.seq_id: ev.token for ev in events if ev.position == 0}
+        for rid, st in list(self.progress.items()):
+            if rid not in self.engine.seqs:
+                continue
+            first = firsts.get(rid)
+            self._export(self.engine, rid, st, first)  # KV streams out while prefill continues
+            if first is not None:
+                self.worker.post(_resolve, st.first, first)
+                if st.queues:  # held for the targets until they acknowledge (Prefill's KV lease)
+                    self.engine.cache_prefix(rid)  # P's cache serves this prompt at once meanwhile
+                else:
+                    self.engine.release(rid, cache=True)
+                del self.progress[rid]
+
+    async def _push(self, rid, target, q, start, end, chunk_bytes) -> cluster_pb2.TransferDone:
+        ch = self.channels.get(target.address) or rpc.channel(target.address)
+        self.channels[target.address] = ch
+        stub = cluster_pb2_grpc.DecodeStub(ch)
+        chunker = kvwire.Chunker(rid, start, end, chunk_bytes)
+
+        clock = _PushClock()
+        waited = [0.0]  # seconds the push waited on P's own prefill (not the link)
+
+        async def stream():
+            while chunker.next_pos < end:
+                clock.waiting = True  # on this P's own prefill: not a stall of the link
+                w0 = time.perf_counter()
+                run, first = await q.get()
+                waited[0] += time.perf_counter() - w0
+                clock.touch()
+                known = [first] if first is not None and target.include_first_token else []
+                for c in chunker.feed(run, known):
+                    yield c
+                    clock.touch()  # the transport took the chunk
+
+        t0 = time.perf_counter()
+        done = cluster_pb2.TransferDone(role=target.role, tokens=end - start)
+        call = stub.PushKV(stream())
+        watch = asyncio.create_task(clock.watch(call, PUSH_STALL_SECONDS))
+        try:
+            await call
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+            if clock.stalled:  # a blackholed link or a receiver that stopped reading: bounded
+                done.code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+                done.error = (f"no progress pushing KV to {target.address} for {PUSH_STALL_SECONDS:g} s "
+                              f"(PDDJAX_PUSH_STALL_SECONDS)")
+            elif isinstance(e, grpc.aio.AioRpcError):
+                done.code, done.error = e.code().value[0], e.details() or str(e.code())
+            else:
+                raise
+        finally:
+            watch.cancel()
+        done.bytes, done.chunks, done.ms = chunker.bytes, chunker.seq, 1e3 * (time.perf_counter() - t0)
+        done.wire_ms = max(0.0, done.ms - 1e3 * waited[0])
+        return done
+
+    async def Release(self, request, context):
+        """Idempotent; stops the request's pushes and frees its pages. A late one finds nothing."""
+        rid = request.request_id
+        tasks = self.pushes.pop(rid, [])
+        for t in tasks:
+            t.cancel()
+
+        def release(e) -> bool:
+            st = self.progress.pop(rid, None)
+            if st is not None:  # still prefilling: its Prefill call ends ABORTED
+                self.worker.post(_fail, st.first, _Released(f"request {rid} was released on prefill"))
+            if rid not in e.seqs:
+                return False
+            e.release(rid, cache=request.cache)
+            return True
+
+        found = await self.worker.call(release)
+        return cluster_pb2.ReleaseResponse(found=bool(tasks) or found)
+
+
+PUSH_STALL_SECONDS = float(os.environ.get("PDDJAX_PUSH_STALL_SECONDS", "30"))
+KV_LEASE_SECONDS = float(os.environ.get("PDDJAX_KV_LEASE_SECONDS", "120"))  # see Prefill
+
+
+class _Released(Exception):
+    """The request was released (Release RPC) while P was still prefilling it."""
+
+
+def _lease_expired(rid: str, target) -> cluster_pb2.TransferDone:
+    return cluster_pb2.TransferDone(
+        role=target.role, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+        error=f"{target.address} did not acknowledge the KV of {rid} within {KV_LEASE_SECONDS:g} s of its "
+              f"prefill; P freed it (PDDJAX_KV_LEASE_SECONDS)")
+
+
+class _PushClock:
+    """No-progress timer of one KV push: the transport took no chunk that P had ready, or the
+    receiver did not answer after the last one, for `limit` seconds -> the push is cancelled.
+    Time spent waiting on P's own prefill does not count. It bounds a stall, not the transfer:
+    on a slow link it must exceed what the HTTP/2 window lets be in flight / the link's rate."""
+
+    def __init__(self):
+        self.at, self.waiting, self.stalled = time.monotonic(), False, False
+
+    def touch(self) -> None:
+        self.at, self.waiting = time.monotonic(), False
+
+    async def watch(self, call, limit: float) -> None:
+        while not call.done():
+            await asyncio.sleep(min(1.0, limit / 4))
+            if not self.waiting and time.monotonic() - self.at > limit:
+                self.stalled = True
+                call.cancel()
+                return
+
+
+@dataclasses.dataclass
+class _Progress:
+    n: int  # prompt tokens
+    sent: int  # prompt KV exported up to here
+    queues: list  # one asyncio.Queue of (KVRun, first token or None) per target
+    first: asyncio.Future
+
+
+def _resolve(fut, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _fail(fut, exc) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+

@@ -1,0 +1,115 @@
+"""One thread per engine: the only thread that ever calls the engine.
+
+Services submit work as callables (`call(fn, *args)` runs fn(engine, *args) -> awaitable); between commands the
+thread runs `engine.step()` while there is work, and hands each step's events to
+`on_step(events)`, which runs in the worker thread too (so it may read the engine) and
+passes results to asyncio with `post(fn, *args)` (loop.call_soon_threadsafe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from serving.engine.steplog import StepLog
+
+
+class EngineWorker:
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_step: Callable[[list], None] | None = None,
+                 name: str = "engine"):
+        self.engine, self.loop, self.on_step = engine, loop, on_step
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = False
+        self.steps = 0
+        self.metrics = None  # a ServiceMetrics: engine gauges are set from this thread (<= 4 per s, and when idle)
+        self._snapshot_at = 0.0
+        self.log = StepLog.from_env(name)  # None unless PDDJAX_STEP_LOG is set
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable, *args) -> asyncio.Future:
+        """Run fn(engine, *args) on the engine thread; await the returned future for its result."""
+        cf: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((fn, args, cf))
+        return asyncio.wrap_future(cf, loop=self.loop)
+
+    def run_soon(self, fn: Callable, *args) -> None:
+        """Run fn(engine, *args) on the engine thread and do not wait: for cleanup in `finally`
+        blocks, where an awaited `call` could itself be cancelled and then skipped."""
+        self._q.put((fn, args, None))
+
+    def post(self, fn: Callable, *args) -> None:
+        """From the engine thread: run fn(*args) on the event loop."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        if self.log is not None:
+            self.log.engine_tid = threading.get_native_id()
+        while not self._stop:
+            try:
+                item = self._q.get(block=not self.engine.has_work(), timeout=None)
+            except queue.Empty:
+                item = False
+            while item is not False:
+                if item is None:
+                    if self.log is not None:
+                        self.log.close()
+                    return
+                fn, args, cf = item
+                with self._timed(getattr(fn, "__name__", "call")):
+                    if cf is None:
+                        try:
+                            fn(self.engine, *args)
+                        except Exception:  # noqa: BLE001  (cleanup must not kill the thread)
+                            traceback.print_exc()
+                    elif cf.set_running_or_notify_cancel():
+                        try:
+                            cf.set_result(fn(self.engine, *args))
+                        except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
+                            cf.set_exception(e)
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    item = False
+            if self.engine.has_work():
+                try:
+                    with self._timed("step", lambda: getattr(self.engine, "last_shape", ())):
+                        events = self.engine.step()
+                    self.steps += 1
+                    if self.on_step is not None:
+                        with self._timed("on_step"):
+                            self.on_step(events)
+                except Exception:  # noqa: BLE001  (keep serving; the failure is logged)
+                    traceback.print_exc()
+            now = time.monotonic()
+            if self.metrics is not None and (now - self._snapshot_at >= 0.25 or not self.engine.has_work()):
+                self._snapshot_at = now  # num_pages_active walks every sequence: not on every step
+                with self._timed("snapshot"):
+                    self.metrics.engine_snapshot(self.snapshot())
+
+    def _timed(self, name: str, shape=None):
+        """The step log's timer for a block on this thread (nothing without a log)."""
+        return self.log.timed(name, shape) if self.log is not None else contextlib.nullcontext()
+
+    def snapshot(self) -> dict:
+        """Engine occupancy, read on the engine thread."""
+        from pddjax.engines.step import compile_count, resident_count  # the engine's process has jax loaded
+        from pddjax.kv.canonical import compiled_variants
+
+        e = self.engine
+        alloc = getattr(e, "allocator", None)
+        return {"pages_active": getattr(e, "num_pages_active", 0), "pages_used": alloc.num_used if alloc else 0,
+                "pages_total": alloc.capacity if alloc else 0, "sequences": len(e.seqs), "steps": self.steps,
+                "queue_depth": self._q.qsize(), "compiles": compile_count() + compiled_variants(),
+                "executables": resident_count() + compiled_variants()}

@@ -1,0 +1,120 @@
+"""Instances per role for the router: selection (least-loaded, session affinity) and health.
+
+A Pool holds one role's instances. `pick` answers the healthy instance to use: the preferred
+one (the session's) when it is healthy and not excluded (MD: `sticky`), else the least loaded
+(in-flight requests through this router, then pages the instance reported), ties broken by
+preference and then by rotation. An instance that fails its grpc.health.v1 check, or answers
+UNAVAILABLE, leaves the rotation; it comes back once a check answers SERVING.
+`Affinity` remembers, per session, the instance that holds its context (bounded, LRU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving import rpc
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return rpc.channel(address, rpc.PEER_CHANNEL_OPTIONS)  # TLS when configured (security.py)
+
+
+class NoInstance(Exception):
+    pass
+
+
+@dataclasses.dataclass(eq=False)
+class Instance:
+    role: str
+    address: str
+    kv_address: str = ""  # how peers reach it with KV and handoffs (MD: through the WAN link)
+    healthy: bool = True
+    inflight: int = 0  # requests through this router now
+    pages_active: int = 0  # as the instance last reported (Info)
+    info: object = None  # ServiceInfo, fetched once
+    channel: object = None
+
+    @property
+    def load(self) -> tuple[int, int]:
+        return self.inflight, self.pages_active
+
+
+class Pool:
+    def __init__(self, role: str, addresses: list[str], kv_addresses: list[str] | None = None):
+        kv = kv_addresses or addresses
+        self.role = role
+        self.instances = [Instance(role, a, k) for a, k in zip(addresses, kv)]
+        self._turn = itertools.count()
+
+    def healthy(self, exclude=()) -> list[Instance]:
+        return [i for i in self.instances if i.healthy and i not in exclude]
+
+    def get(self, address: str) -> Instance | None:
+        return next((i for i in self.instances if i.address == address), None)
+
+    def pick(self, prefer: str | None = None, sticky: bool = False, exclude=()) -> Instance:
+        live = self.healthy(exclude)
+        if not live:
+            raise NoInstance(f"no healthy {self.role} instance ({len(self.instances)} configured)")
+        pref = self.get(prefer) if prefer else None
+        if sticky and pref in live:
+            return pref
+        turn = next(self._turn)
+        return min(live, key=lambda i: (i.load, i is not pref, (self.instances.index(i) - turn) % len(self.instances)))
+
+
+class Affinity:
+    """session id -> address of the instance that holds its context (LRU, bounded)."""
+
+    def __init__(self, size: int = 100_000):
+        self.map: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.size = size
+
+    def get(self, sid: str) -> str | None:
+        return self.map.get(sid) if sid else None
+
+    def set(self, sid: str, address: str) -> None:
+        if not sid:
+            return
+        self.map.pop(sid, None)
+        self.map[sid] = address
+        while len(self.map) > self.size:
+            self.map.popitem(last=False)
+
+
+async def check(inst: Instance, timeout: float) -> bool:
+    if inst.channel is None:
+        inst.channel = channel(inst.address)
+    try:
+        r = await health_pb2_grpc.HealthStub(inst.channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                timeout=timeout)
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.aio.AioRpcError:
+        return False
+
+
+def set_health(inst: Instance, ok: bool, counters: dict | None = None) -> None:
+    if ok != inst.healthy:
+        inst.healthy = ok
+        print(f"router: {inst.role} {inst.address} {'is back in' if ok else 'left'} the rotation",
+              file=sys.stderr, flush=True)
+        if counters is not None:
+            key = "health_back" if ok else "health_left"
+            counters[key] = counters.get(key, 0) + 1
+
+
+async def health_loop(pools: list[Pool], interval: float, timeout: float, counters: dict | None = None) -> None:
+    """Checks every instance every `interval` seconds, forever (cancel to stop)."""
+    while True:
+        insts = [i for p in pools for i in p.instances]
+        oks = await asyncio.gather(*(check(i, timeout) for i in insts))
+        for i, ok in zip(insts, oks):
+            set_health(i, ok, counters)
+        await asyncio.sleep(interval)

@@ -1,0 +1,103 @@
+"""How the router carries a request past a tier that fails mid-request (issue 8, transfer faults).
+
+- P fails (UNAVAILABLE: killed, draining) while prefilling or pushing: `next_prefill` takes it
+  out of the rotation and picks another healthy P; the router sends that P the same Prefill with
+  only the targets whose KV has not arrived. Receivers skip KV they already hold and a second
+  push to a tier that already decodes changes nothing, so partial pushes are harmless. No other
+  P: the tiers still waiting fail with P's UNAVAILABLE; a tier that has its KV carries on (pdd:
+  RLD finishes alone).
+- MD's KV transfer fails (MD killed, WAN blackholed past P's no-progress timer, a corrupted
+  chunk refused as DATA_LOSS): `main_transfer` counts it (transfer_failed.main.CODE), logs it,
+  and an UNAVAILABLE MD leaves the rotation at once (the health loop brings it back). pdd: no
+  handoff, RLD finishes the request; pd-cross: the request fails with that status.
+- P's KV push to RLD fails in pdd (RLD refused a corrupted chunk, the connection broke) while
+  MD's arrives: RLD never decodes without its KV, so `relay_kv_failed` stops forwarding RLD's
+  stream and MD takes the request from P's first token (as below; counted relay_kv_failed).
+- RLD's stream breaks in pdd (RLD killed): `take_over` waits until P reports MD's KV (or its
+  failure), then the router itself sends MD the final token-ID handoff: output positions from 0,
+  the tokens the user already has (P's first token if none). MD keys handoffs by (request,
+  final), so it is applied once even if RLD's own handoff raced it. The stream then switches to
+  MD exactly as after an ordinary handoff (main_took_over).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+
+from serving.pb import cluster_pb2
+from serving.router import pools
+from serving.router.request import _Abort
+
+
+def next_prefill(router, failed, error: grpc.aio.AioRpcError, st):
+    """P `failed` broke off a Prefill: -> another healthy P instance, or None (not retryable, or
+    none left)."""
+    if error.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    pools.set_health(failed, False, router.counters)
+    st.p_tried.append(failed)
+    try:
+        nxt = router.pools["prefill"].pick(exclude=st.p_tried)
+    except pools.NoInstance:
+        return None
+    router.counters["retry.prefill"] += 1
+    st.p_extra.append(nxt)
+    if not st.finished:  # the replacement now carries this request's load (released with the rest)
+        nxt.inflight += 1
+        st.held.append(nxt)
+    print(f"router: P {failed.address} failed ({error.code().name}); prefill retried on {nxt.address}",
+          file=sys.stderr, flush=True)
+    return nxt
+
+
+def main_transfer(router, md, st, code: grpc.StatusCode | None, message: str = "") -> None:
+    """P reported MD's KV transfer: delivered (code None) or failed."""
+    st.md_kv_ok = code is None
+    st.md_kv.set()
+    if code is None or md is None:
+        return
+    router.counters[f"transfer_failed.main.{code.name}"] += 1
+    print(f"router: KV to MD {md.address} failed ({code.name}: {message})", file=sys.stderr, flush=True)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        pools.set_health(md, False, router.counters)
+
+
+async def take_over(router, rid: str, md, st, seen: list[int]):
+    """RLD is gone (pdd): -> a TokenBatch that hands the stream to MD, or a sentence on why MD
+    cannot take over."""
+    if md is None or st.relay_lost:
+        return "no MD to take over"
+    st.relay_lost = True  # no RLD handoff from now on
+    router.counters["relay_lost"] += 1
+    await st.md_kv.wait()
+    if not st.md_kv_ok or st.first_token is None:
+        return "MD cannot take over: its KV did not arrive"
+    toks = list(seen) or [st.first_token]
+    try:
+        await router._stub(md).HandoffTokens(cluster_pb2.HandoffTokensRequest(
+            request_id=rid, start_position=0, token_ids=toks, final=True), timeout=st.deadline.timeout(30))
+    except grpc.aio.AioRpcError as e:
+        return f"MD cannot take over: {e.details() or e.code().name}"
+    router.counters["main_took_over"] += 1
+    print(f"router: {rid}: RLD lost after {len(seen)} tokens; MD {md.address} took over", file=sys.stderr,
+          flush=True)
+    return cluster_pb2.TokenBatch(start_position=len(seen), token_ids=toks[len(seen):], handed_off=True,
+                                  handed_off_at=len(toks))
+
+
+async def relay_kv_failed(router, rid: str, md, st, err, relay_q) -> None:
+    """P reported that RLD's KV did not arrive (pdd): MD takes over from P's first token, or
+    the push's error stands. RLD's Decode stream is no longer forwarded (the router releases
+    RLD when the request ends)."""
+    if st.relay_lost:  # RLD's stream broke first: its on_error is taking over already
+        return
+    if st.relay_pump is not None:
+        st.relay_pump.cancel()  # not inside take_over (relay_lost would be set): safe to cancel
+    router.counters[f"relay_kv_failed.{err.code.name}"] += 1
+    print(f"router: {rid}: KV to RLD failed ({err.code.name}: {err.message}); MD takes over", file=sys.stderr,
+          flush=True)
+    got = await take_over(router, rid, md, st, [])
+    relay_q.put_nowait(got if isinstance(got, cluster_pb2.TokenBatch)
+                       else _Abort(err.code, f"{err.message}; {got}", err.stage))

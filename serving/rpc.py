@@ -1,0 +1,123 @@
+"""gRPC plumbing shared by every service: channel/server options (explicit message-size limits,
+keepalive that long idle streams survive on both ends), health and reflection, and the one
+place where protobuf messages become engine-side values (`spec_from_pb`, `sampling_from_pb`)."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pddjax.model.sampling import SamplingParams
+from serving.pb import cluster_pb2, common_pb2
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # KV chunks are 1-4 MiB; 16 MiB leaves room for headers
+DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
+
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 20_000),  # ping an idle connection every 20 s
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *_KEEPALIVE,
+]
+# Channels to peer services: reconnect soon after an instance comes back (gRPC's default
+# backoff grows to 120 s).
+PEER_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200),
+                        ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # accept the clients' pings
+    ("grpc.http2.max_ping_strikes", 0),
+    *_KEEPALIVE,
+]
+
+ROLE_NAMES = {"prefill": common_pb2.ROLE_PREFILL, "relay": common_pb2.ROLE_RELAY, "main": common_pb2.ROLE_MAIN}
+
+
+def channel(address: str, options=None) -> grpc.aio.Channel:
+    """A channel to another service: mutual TLS when PDDJAX_TLS_DIR is set (security.py)."""
+    from serving import security
+
+    creds, options = security.channel_credentials(), options or CHANNEL_OPTIONS
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, creds, options=options)
+
+
+def sync_channel(address: str) -> grpc.Channel:
+    """A blocking channel (clients): TLS when PDDJAX_TLS_DIR is set."""
+    from serving import security
+
+    creds = security.channel_credentials()
+    if creds is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+
+
+def add_port(server, address: str, public: bool) -> int:
+    """Listen on `address`: TLS (mutual unless `public`) when configured; returns the port."""
+    from serving import security
+
+    creds = security.server_credentials(public)
+    return server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str],
+                              reflection_on: bool = True) -> health.aio.HealthServicer:
+    """Registers grpc.health.v1 and reflection. grpc's servicer reports the overall status ""
+    as SERVING from the start: call `set_serving(hs, names, False)` until ready."""
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    if reflection_on:  # off on public ports
+        reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    return hs
+
+
+async def set_serving(hs, service_names: list[str], serving: bool = True) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await hs.set(name, status)
+
+
+def sampling_from_pb(s: common_pb2.Sampling) -> SamplingParams:
+    return SamplingParams(float(s.temperature), int(s.top_k), float(s.top_p) if s.top_p > 0 else 1.0, int(s.seed))
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.Sampling:
+    return common_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+
+
+def spec_from_pb(spec: cluster_pb2.SequenceSpec):
+    """-> (request_id, prompt, SamplingParams, max_tokens, stop_ids)."""
+    return (spec.request_id, list(spec.prompt), sampling_from_pb(spec.sampling), int(spec.max_tokens),
+            tuple(spec.stop_token_ids))
+
+
+FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+          "cancelled": common_pb2.FINISH_REASON_CANCELLED, None: common_pb2.FINISH_REASON_UNSPECIFIED}
+
+
+def validate_spec(cfg, rid, prompt, params, max_tokens) -> str | None:
+    """One sentence on what is wrong with a request, or None."""
+    if not rid:
+        return "the request has no request_id"
+    if not prompt:
+        return "the prompt is empty"
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
+    if max_tokens < 1:
+        return f"max_tokens must be at least 1, got {max_tokens}"
+    if len(prompt) + max_tokens > cfg.max_context:
+        return f"prompt ({len(prompt)} tokens) plus max_tokens {max_tokens} exceeds the model context of {cfg.max_context}"
+    try:
+        params.validate()
+    except ValueError as e:
+        return str(e)
+    return None

@@ -1,0 +1,159 @@
+"""`pddjax up`: the whole stack on this machine as separate processes.
+
+Cluster A: P and RLD; cluster B: MD; the router on --port. `--instances P,R,M` starts several
+of each (the router balances them). P and RLD reach each MD only through its own WanLink
+(bandwidth and latency), running in this supervisor process. Steps: write each service's
+config, start the P, RLD, MD instances (`pddjax serve ROLE`), wait for their ready files,
+start the links, start the router (given every address), write the state file
+  {"services": [{"role", "pid", "address", "metrics" (its /metrics URL)}], "wan": {...}, "wans": [...],
+   "router": ADDRESS}
+(`wan` is the first MD's link; byte counters refreshed every second), print the router
+address, and on Ctrl-C or SIGTERM stop every child (SIGTERM, then SIGKILL after a grace
+period). An instance that exits is reported; the stack stops when the router or every
+instance of a role is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from pddjax.errors import UserError
+from serving.config import ENGINE_ROLES
+from serving.stack.wanlink import WanLink
+
+
+class Child:
+    def __init__(self, role: str, proc: subprocess.Popen, ready_file: str):
+        self.role, self.proc, self.ready_file = role, proc, ready_file
+        self.address: str | None = None
+        self.metrics: str | None = None  # its Prometheus endpoint (from the ready file)
+
+
+def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, name: str | None = None,
+          cpus: list[int] | None = None) -> Child:
+    """Start `pddjax serve ROLE` (pinned to `cpus` if given); its address comes via the ready file."""
+    ready = os.path.join(workdir, f"{name or role}.ready.json")
+    cmd = [sys.executable, "-m", "pddjax", "serve", role, "--config", config_path, "--port", str(port),
+           "--ready-file", ready]
+    env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
+    if cpus:
+        env["PDDJAX_CPUS"] = ",".join(map(str, cpus))
+    proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=log or None, env=env)
+    return Child(role, proc, ready)
+
+
+async def wait_ready(children: list[Child], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(c.address is None for c in children):
+        for c in children:
+            if c.address is None and os.path.exists(c.ready_file):
+                with open(c.ready_file) as f:
+                    ready = json.load(f)
+                c.address, c.metrics = ready["address"], ready.get("metrics")
+            if c.proc.poll() is not None and c.address is None:
+                raise UserError(f"the {c.role} service exited with code {c.proc.returncode} while starting")
+        if time.monotonic() > deadline:
+            raise UserError(f"services did not become ready within {timeout:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+def stop_all(children: list[Child], grace: float = 5.0) -> None:
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.terminate()
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool = False,
+                    instances: tuple[int, int, int] = (1, 1, 1)) -> int:
+    workdir = tempfile.mkdtemp(prefix="pddjax-up-")
+    children: list[Child] = []
+    links: list[WanLink] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log = open(os.path.join(workdir, "services.log"), "ab")
+    try:
+        cfg_path = os.path.join(workdir, "stack.json")
+        write_json(cfg_path, stack)
+        children = [spawn(r, cfg_path, workdir, log=log, name=f"{r}{k}")
+                    for r, n in zip(ENGINE_ROLES, instances) for k in range(n)]
+        waiter = asyncio.create_task(wait_ready(children))
+        await asyncio.wait([waiter, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            waiter.cancel()
+            return 130
+        await waiter
+        addr = {r: [c.address for c in children if c.role == r] for r in ENGINE_ROLES}
+        wan = stack.get("wan", {})
+        wan_addrs = []
+        for a in addr["main"]:
+            links.append(WanLink.from_settings(a, wan))  # bandwidth, latency, jitter, trace, stalls
+            wan_addrs.append(await links[-1].start(stack.get("host", "127.0.0.1")))
+        rstack = {**stack, "router": {**stack.get("router", {}), "prefill": addr["prefill"], "relay": addr["relay"],
+                                      "main": addr["main"], "main_wan": wan_addrs}}
+        rcfg = os.path.join(workdir, "router.json")
+        write_json(rcfg, rstack)
+        router = spawn("router", rcfg, workdir, port=port, log=log)
+        children.append(router)
+        await wait_ready([router], timeout=120)
+        link = links[0]
+
+        def state():
+            wans = [{"address": w, "target": a, **lk.stats()} for w, a, lk in zip(wan_addrs, addr["main"], links)]
+            return {"services": [{"role": c.role, "pid": c.proc.pid, "address": c.address, "metrics": c.metrics}
+                                 for c in children],
+                    "router": router.address, "wan": wans[0], "wans": wans, "log": log.name}
+
+        if state_file:
+            write_json(state_file, state())
+        counts = ", ".join(f"{n} {r}" for r, n in zip(ENGINE_ROLES, instances))
+        print(f"pddjax up: router on {router.address} ({counts}; WAN link {wan_addrs[0]} -> MD {addr['main'][0]}, "
+              f"{link.mbps or 'unlimited'} Mb/s, {link.latency_ms} ms)", flush=True)
+        reported: set[int] = set()
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+            for c in children:
+                if c.proc.poll() is not None and c.proc.pid not in reported:
+                    reported.add(c.proc.pid)
+                    print(f"pddjax up: the {c.role} service {c.address} exited ({c.proc.returncode})",
+                          file=sys.stderr, flush=True)
+            gone = [r for r in (*ENGINE_ROLES, "router")
+                    if all(c.proc.poll() is not None for c in children if c.role == r)]
+            if gone:
+                print(f"pddjax up: no {gone[0]} service is left; stopping", file=sys.stderr, flush=True)
+                return 1
+            if state_file:
+                write_json(state_file, state())
+        return 0
+    finally:
+        for lk in links:
+            await lk.close()
+        stop_all(children)
+        log.close()
+        if state_file and os.path.exists(state_file):
+            os.remove(state_file)
