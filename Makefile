@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pddjax-installed
 
-.PHONY: setup demo test clean-cache
+.PHONY: setup demo test lint clean-cache
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,12 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/python -m pddjax.cli.demo
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check pddjax serving tests tools
+	$(BIN)/lint-imports
 
 clean-cache:
 	rm -rf $${PDDJAX_CACHE_DIR:-$$HOME/.cache/pddjax}

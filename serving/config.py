@@ -5,8 +5,9 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
     platform = "cpu"          # JAX backend: cpu | gpu | tpu
     host = "127.0.0.1"
     [engine]                  # defaults for prefill, relay, main
-    dtype = "float32"; page_size = 16; num_pages = 256; attention = "xla"
-    max_step_tokens = 256; max_rows = 32; prefix_cache = true
+    dtype = "float32"; page_size = 16; num_pages = 256; attention = "auto"
+    max_step_tokens = 256; max_rows = 32; prefix_cache = true; pad_limit = 1.5
+                              # (exactly EngineConfig's fields, pddjax/engines/engine_config.py)
     [prefill] / [relay] / [main]    # per-role overrides of the above (+ port, platform, model)
     [router]                  # port; prefill/relay/main: address lists (several instances per
                               # role), main_wan (MD as cluster A reaches it, parallel to main),
@@ -28,11 +29,14 @@ import dataclasses
 import json
 import tomllib
 
+from pddjax.engines.engine_config import EngineConfig
 from pddjax.errors import UserError
+from pddjax.policy import PolicyConfig
 
 ENGINE_ROLES = ("prefill", "relay", "main")
 ROLES = (*ENGINE_ROLES, "router")
-_ENGINE_KEYS = {"dtype", "page_size", "num_pages", "attention", "max_step_tokens", "max_rows", "prefix_cache"}
+ENGINE_KEYS = frozenset(f.name for f in dataclasses.fields(EngineConfig))  # a role's engine table
+_POLICY = PolicyConfig()  # the auto policy's defaults live there once
 
 
 @dataclasses.dataclass
@@ -43,12 +47,12 @@ class RouterSettings:
     main_wan: list[str] = dataclasses.field(default_factory=list)  # MD as cluster A reaches it (parallel to main)
     relay_kv: list[str] = dataclasses.field(default_factory=list)  # RLD as P reaches it with KV (parallel to relay)
     handoff: str = "auto"  # "auto" (chunked while more than the threshold is pending) | "one-shot" | "chunked"
-    handoff_threshold: int = 64
+    handoff_threshold: int = _POLICY.handoff_threshold
     chunk_bytes: int = 2 * 1024 * 1024
-    ttft_budget_ms: float = 500.0  # auto: pd-cross when MD's KV delta arrives within this
-    filter_cap: float = 0.05  # auto: at most this share of recent requests filtered to pd-local
-    filter_window: int = 200
-    drift_tolerance: float = 0.2  # auto: no filter for a session whose MD hit lags P's by more
+    ttft_budget_ms: float = _POLICY.ttft_budget_s * 1e3  # auto: pd-cross when MD's KV delta arrives within this
+    filter_cap: float = _POLICY.filter_cap  # auto: at most this share of recent requests filtered to pd-local
+    filter_window: int = _POLICY.filter_window
+    drift_tolerance: float = _POLICY.drift_tolerance  # auto: no filter for a session whose MD hit lags P's by more
     wan_mbps_prior: float = 1000.0  # link estimates before the first measured transfer
     wan_latency_ms_prior: float = 20.0
     rld_tokens_per_s_prior: float = 50.0
@@ -78,7 +82,7 @@ class ServiceConfig:
     platform: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
-    engine: dict = dataclasses.field(default_factory=dict)  # EngineConfig fields
+    engine: dict = dataclasses.field(default_factory=dict)  # EngineConfig fields (checked)
     router: RouterSettings = dataclasses.field(default_factory=RouterSettings)
 
 
@@ -113,12 +117,12 @@ def service_config(stack: dict, role: str, port: int | None = None) -> ServiceCo
             raise UserError(f"[router] handoff must be auto, one-shot or chunked, got {cfg.router.handoff!r}")
         return cfg
     engine = {**stack.get("engine", {}), **section}
-    unknown = set(engine) - _ENGINE_KEYS
+    unknown = set(engine) - ENGINE_KEYS
     if unknown:
-        raise UserError(f"unknown engine key {sorted(unknown)[0]!r} for {role}")
-    if engine.get("dtype", "float32") not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"dtype must be float32, bfloat16 or float16, got {engine['dtype']!r}")
-    if engine.get("attention", "xla") not in ("xla", "pallas"):
-        raise UserError(f"attention must be xla or pallas, got {engine['attention']!r}")
+        raise UserError(f"unknown engine key {sorted(unknown)[0]!r} for {role} "
+                        f"(known: {', '.join(sorted(ENGINE_KEYS))})")
+    problem = EngineConfig(**engine).check()
+    if problem:
+        raise UserError(f"[{role}] {problem}")
     cfg.engine = engine
     return cfg

@@ -8,7 +8,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from serving.pb import cluster_pb2, common_pb2
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # KV chunks are 1-4 MiB; 16 MiB leaves room for headers
@@ -115,7 +115,8 @@ def validate_spec(cfg, rid, prompt, params, max_tokens) -> str | None:
     if max_tokens < 1:
         return f"max_tokens must be at least 1, got {max_tokens}"
     if len(prompt) + max_tokens > cfg.max_context:
-        return f"prompt ({len(prompt)} tokens) plus max_tokens {max_tokens} exceeds the model context of {cfg.max_context}"
+        return (f"prompt ({len(prompt)} tokens) plus max_tokens {max_tokens} exceeds the model context of "
+                f"{cfg.max_context}")
     try:
         params.validate()
     except ValueError as e:

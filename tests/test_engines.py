@@ -8,10 +8,9 @@ import pytest
 from pddjax.engines import buckets
 from pddjax.engines.paged_engine import EngineConfig, PagedEngine
 from pddjax.engines.reference import ReferenceEngine
-from pddjax.engines.roles import DecodeEngine, PrefillEngine, PrefillRequest
 from pddjax.engines.step import compile_count, executables, resident_count
 from pddjax.kv.canonical import KVImportError
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11)
@@ -27,10 +26,33 @@ def ref(tiny):
     return ReferenceEngine(tiny.config, tiny.weights)
 
 
-def engine(tiny, cls=PagedEngine, **kw):
+def engine(tiny, **kw):
     cfg = dict(page_size=8, num_pages=160, max_step_tokens=64, max_rows=8)
     cfg.update(kw)
-    return cls(tiny.config, tiny.weights, tiny.fingerprint, EngineConfig(**cfg))
+    return PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, EngineConfig(**cfg))
+
+
+def prefill(eng, prompts: dict, params) -> dict:
+    """As P's service does: one output token per prompt, pages held for export. -> first tokens."""
+    for rid, p in prompts.items():
+        eng.add(rid, p, params, max_tokens=1, stop_ids=NO_STOP, hold_on_finish=True)
+    while any(not eng.seqs[rid].generated for rid in prompts):
+        eng.step()
+    return {rid: eng.seqs[rid].generated[0] for rid in prompts}
+
+
+def admit(eng, rid, p, known, kv, params, max_tokens, use_cache=True):
+    """As RLD/MD's services do: Reserve (add), PushKV (import_kv), HandoffTokens (append_tokens)."""
+    eng.add(rid, p, params, max_tokens, NO_STOP, use_cache=use_cache)
+    eng.import_kv(rid, kv)
+    eng.append_tokens(rid, 0, known)
+
+
+def run_until_done(eng, rid) -> list:
+    events = []
+    while rid in eng.seqs and eng.seqs[rid].num_pending:
+        events += [ev for ev in eng.step() if ev.seq_id == rid]
+    return events
 
 
 def drain(eng):
@@ -95,22 +117,22 @@ def test_handoff_identity(tiny, ref, m, params):
     and continues: every token equals the monolithic reference's."""
     p, total = prompt(37, m), m + 12
     expected = ref.generate(p, params, total, NO_STOP).token_ids
-    prefill = engine(tiny, PrefillEngine, page_size=8, max_step_tokens=128)
-    first = prefill.prefill([PrefillRequest("r", p, params, NO_STOP)])[0].first_token
-    kv = prefill.export_kv("r", 0, len(p))
-    prefill.release("r")
+    p_eng = engine(tiny, page_size=8, max_step_tokens=128)
+    first = prefill(p_eng, {"r": p}, params)["r"]
+    kv = p_eng.export_kv("r", 0, len(p))
+    p_eng.release("r")
 
-    relay = engine(tiny, DecodeEngine, page_size=8, max_step_tokens=128)
-    relay.admit("r", p, [first], kv, params, total, NO_STOP, use_cache=False)
+    relay = engine(tiny, page_size=8, max_step_tokens=128)
+    admit(relay, "r", p, [first], kv, params, total, use_cache=False)
     while len(relay.seqs["r"].generated) < m:
         relay.step()
     handed = relay.seqs["r"].generated[:m]
     relay.release("r", cache=False)
     assert handed == expected[:m]
 
-    main = engine(tiny, DecodeEngine, page_size=16, max_step_tokens=128)
-    main.admit("r", p, handed, kv, params, total, NO_STOP)
-    events = main.run_until_done(["r"])["r"]
+    main = engine(tiny, page_size=16, max_step_tokens=128)
+    admit(main, "r", p, handed, kv, params, total)
+    events = run_until_done(main, "r")
     assert events[0].position == m and main.num_steps == total - m  # the extend is one pass
     assert handed + [e.token for e in events] == expected
     main.check_integrity()
@@ -119,14 +141,14 @@ def test_handoff_identity(tiny, ref, m, params):
 
 def test_extend_chunks_and_decode_rows_share_one_step(tiny, ref):
     """Handoffs of several requests arriving together run in one step with ordinary decodes."""
-    b = engine(tiny, DecodeEngine, page_size=8, max_step_tokens=256)
-    a = engine(tiny, PrefillEngine)
+    b = engine(tiny, page_size=8, max_step_tokens=256)
+    a = engine(tiny)
     prompts = {f"h{i}": prompt(30 + i, 20 + i) for i in range(3)} | {f"d{i}": prompt(12, 30 + i) for i in range(2)}
-    firsts = {r.seq_id: r.first_token for r in a.prefill([PrefillRequest(k, v, GREEDY, NO_STOP) for k, v in prompts.items()])}
+    firsts = prefill(a, prompts, GREEDY)
     for k, p in prompts.items():
         expected = ref.generate(p, GREEDY, 40, NO_STOP).token_ids
         known = expected[: 20 + len(k)] if k.startswith("h") else [firsts[k]]
-        b.admit(k, p, known, a.export_kv(k, 0, len(p)), GREEDY, 40, NO_STOP)
+        admit(b, k, p, known, a.export_kv(k, 0, len(p)), GREEDY, 40)
     before = b.num_steps
     events = b.step()
     assert b.num_steps == before + 1 and {e.seq_id for e in events} == set(prompts)
@@ -184,12 +206,12 @@ def test_step_executables_are_bounded_and_evicted_shapes_come_back(tiny, ref):
 @pytest.mark.parametrize("src, dst", [(("bfloat16", 16), ("float32", 32)), (("float32", 32), ("bfloat16", 16))])
 def test_heterogeneous_pools(tiny, ref, src, dst):
     p = prompt(45, 9)
-    a = engine(tiny, PrefillEngine, dtype=src[0], page_size=src[1])
-    first = a.prefill([PrefillRequest("r", p, GREEDY, NO_STOP)])[0].first_token
+    a = engine(tiny, dtype=src[0], page_size=src[1])
+    first = prefill(a, {"r": p}, GREEDY)["r"]
     kv = a.export_kv("r", 0, len(p))
     assert kv.dtype == src[0]
-    b = engine(tiny, DecodeEngine, dtype=dst[0], page_size=dst[1])
-    b.admit("r", p, [first], kv, GREEDY, 8, NO_STOP)
+    b = engine(tiny, dtype=dst[0], page_size=dst[1])
+    admit(b, "r", p, [first], kv, GREEDY, 8)
     # the imported KV is the exporter's, cast to the receiver's dtype
     back = b.export_kv("r", 0, len(p))
     np.testing.assert_array_equal(np.asarray(back.k, np.float32),
@@ -200,7 +222,7 @@ def test_heterogeneous_pools(tiny, ref, src, dst):
     expected = list(ref.stream(p, GREEDY, 8, NO_STOP, return_logits=True))
     known = [t for t, _ in expected[:6]]
     b.release("r", cache=False)
-    b.admit("r2", p, known, kv, GREEDY, 8, NO_STOP)
+    admit(b, "r2", p, known, kv, GREEDY, 8)
     _, logits = b.step(return_logits=True)
     want = expected[6][1]
     assert np.abs(logits["r2"] - want).max() < 0.05 * np.abs(want).max()
@@ -208,14 +230,18 @@ def test_heterogeneous_pools(tiny, ref, src, dst):
 
 def test_foreign_fingerprint_refused(tiny):
     p = prompt(20, 3)
-    a = engine(tiny, PrefillEngine)
-    a.prefill([PrefillRequest("r", p, GREEDY, NO_STOP)])
+    a = engine(tiny)
+    prefill(a, {"r": p}, GREEDY)
     kv = a.export_kv("r", 0, len(p))
     kv.fingerprint = "someone-else"
-    b = engine(tiny, DecodeEngine)
+    b = engine(tiny)
+    b.add("r", p, GREEDY, 4, NO_STOP)
     with pytest.raises(KVImportError):
-        b.admit("r", p, [1], kv, GREEDY, 4, NO_STOP)
+        b.import_kv("r", kv)
+    assert b.seqs["r"].pages.num_tokens == 0  # nothing was written
+    b.release("r", cache=False)  # what the service does with a refused import
     assert not b.seqs and b.allocator.num_used == 0  # nothing leaked
+    b.check_integrity()
 
 
 def test_out_of_pages_allocates_nothing(tiny):
@@ -232,15 +258,15 @@ def test_handoff_identity_with_pallas_attention(tiny, ref, params):
     """The same P -> RLD -> MD path with the Pallas kernel (interpret mode on CPU) in every engine."""
     p, m, total = prompt(29, 5), 7, 12
     expected = ref.generate(p, params, total, NO_STOP).token_ids
-    prefill = engine(tiny, PrefillEngine, page_size=8, attention="pallas")
-    first = prefill.prefill([PrefillRequest("r", p, params, NO_STOP)])[0].first_token
-    kv = prefill.export_kv("r", 0, len(p))
-    relay = engine(tiny, DecodeEngine, page_size=8, attention="pallas")
-    relay.admit("r", p, [first], kv, params, total, NO_STOP, use_cache=False)
+    p_eng = engine(tiny, page_size=8, attention="pallas")
+    first = prefill(p_eng, {"r": p}, params)["r"]
+    kv = p_eng.export_kv("r", 0, len(p))
+    relay = engine(tiny, page_size=8, attention="pallas")
+    admit(relay, "r", p, [first], kv, params, total, use_cache=False)
     while len(relay.seqs["r"].generated) < m:
         relay.step()
     handed = relay.seqs["r"].generated[:m]
-    main = engine(tiny, DecodeEngine, page_size=16, attention="pallas")
-    main.admit("r", p, handed, kv, params, total, NO_STOP)
-    events = main.run_until_done(["r"])["r"]
+    main = engine(tiny, page_size=16, attention="pallas")
+    admit(main, "r", p, handed, kv, params, total)
+    events = run_until_done(main, "r")
     assert handed + [e.token for e in events] == expected

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pddjax.model.sampling import SamplingParams, sample
+from pddjax.model.sampling import sample
+from pddjax.model.sampling_params import SamplingParams
 
 sample_jit = jax.jit(sample)
 

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pddjax.engines.reference import ReferenceEngine  # noqa: E402
 from pddjax.model.jax_setup import configure  # noqa: E402
 from pddjax.model.registry import load_model  # noqa: E402
-from pddjax.model.sampling import SamplingParams  # noqa: E402
+from pddjax.model.sampling_params import SamplingParams  # noqa: E402
 from serving.client import Client, make_request  # noqa: E402
 from tests.serving_stack import Stack  # noqa: E402
 from tests.test_serving_pipelines import assert_idle  # noqa: E402
@@ -100,7 +100,8 @@ def main() -> int:
                     if len(prompt) > 400:
                         prompt = prompt[-64:]
                     abort_after = rng.randint(0, 5) if rng.random() < args.abort_share else None
-                    req = make_request(prompt, max_tokens=10, pipeline=rng.choice(["pdd", "pd-cross", "pd-local", "auto"]),
+                    req = make_request(prompt, max_tokens=10,
+                                       pipeline=rng.choice(["pdd", "pd-cross", "pd-local", "auto"]),
                                        ignore_eos=True, session_id=f"s{sid}")
                     try:
                         toks = c.stream_tokens(req, timeout=120, cancel_after=abort_after)
@@ -124,9 +125,11 @@ def main() -> int:
                 futs = [pool.submit(session, i) for i in range(args.sessions)]
                 while not all(f.done() for f in futs):
                     time.sleep(min(30.0, max(1.0, stop_at - time.monotonic())))
-                    samples.append({"t_s": round(time.monotonic() - t0), **{r: round(rss_mb(p), 1) for r, p in pids.items()},
+                    samples.append({"t_s": round(time.monotonic() - t0),
+                                    **{r: round(rss_mb(p), 1) for r, p in pids.items()},
                                     **{f"{r}_compiles": gauge(u) for r, u in urls.items()},
-                                    **{f"{r}_held": gauge(u, "pddjax_jit_executables") for r, u in urls.items()}, **dict(counts)})
+                                    **{f"{r}_held": gauge(u, "pddjax_jit_executables") for r, u in urls.items()},
+                                    **dict(counts)})
                     print(json.dumps(samples[-1]), flush=True)
                     if args.tracemalloc and samples[-1]["t_s"] - last_report >= 25:  # snapshots are slow
                         last_report = samples[-1]["t_s"]

@@ -45,7 +45,7 @@ def run_reference(args) -> int:
     from pddjax.engines import reference as ref
     from pddjax.model.dense import DenseKV
     from pddjax.model.registry import load_model
-    from pddjax.model.sampling import SamplingParams
+    from pddjax.model.sampling_params import SamplingParams
 
     figures: dict = {"model": args.model, "dtype": args.dtype, "backend": jax.default_backend()}
     if args.model != "tiny":  # cold (GGUF) then warm (orbax) start, in a scratch cache

@@ -37,10 +37,10 @@ def start_stack(state: str) -> subprocess.Popen:
 
 
 def main() -> int:
+    from pddjax.model.meta import model_facts
     from serving.client import Client, make_request
-    from serving.stack.server import model_meta
 
-    cfg, tok = model_meta("smollm2-135m")  # tokenizer only: shows which text each tier made
+    cfg, tok = model_facts("smollm2-135m")  # tokenizer only: shows which text each tier made
 
     state = os.path.join(tempfile.mkdtemp(prefix="pddjax-demo-"), "state.json")
     print("starting the stack: pddjax up " + " ".join(WAN) + " (P, RLD, MD, router; real model) ...", flush=True)

@@ -52,9 +52,9 @@ def parse_ids(text: str, what: str) -> list[int]:
 
 def prepare(args):
     """Validate flags, load the model, build prompt ids. Returns (model, prompt_ids, params, stop_ids)."""
-    from pddjax.model.gguf_loader import GGUFError
+    from pddjax.model.gguf_meta import GGUFError
     from pddjax.model.registry import ModelNotFound, load_model
-    from pddjax.model.sampling import SamplingParams
+    from pddjax.model.sampling_params import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     try:

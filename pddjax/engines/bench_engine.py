@@ -50,9 +50,9 @@ def run(args) -> int:
     from pddjax.engines.paged_engine import EngineConfig, PagedEngine
     from pddjax.engines.step import compile_count
     from pddjax.model.attention import default_impl
-    from pddjax.model.gguf_loader import GGUFError
+    from pddjax.model.gguf_meta import GGUFError
     from pddjax.model.registry import ModelNotFound, load_model
-    from pddjax.model.sampling import SamplingParams
+    from pddjax.model.sampling_params import SamplingParams
 
     try:
         model = load_model(args.model)

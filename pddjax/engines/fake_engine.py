@@ -19,7 +19,8 @@ from pddjax.kv.page_table import SequencePages
 
 class FakeEngine:
     def __init__(self, vocab_size: int = 1000, page_size: int = 4, fingerprint: str = "fake", num_layers: int = 2):
-        self.vocab_size, self.page_size, self.fingerprint, self.num_layers = vocab_size, page_size, fingerprint, num_layers
+        self.vocab_size, self.page_size = vocab_size, page_size
+        self.fingerprint, self.num_layers = fingerprint, num_layers
         self.seqs: dict[str, Sequence] = {}
         self.kv: dict[str, list[int]] = {}  # seq_id -> tokens whose "KV" exists
         self.cache: set[int] = set()  # chained page hashes held

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pddjax.engines import buckets
+from pddjax.engines.engine_config import EngineConfig
 from pddjax.engines.sequence import Sequence
 from pddjax.engines.step import run_step
 from pddjax.kv.allocator import NULL_PAGE, OutOfPages, PageAllocator
@@ -33,23 +34,7 @@ from pddjax.model import weights as wmod
 from pddjax.model.attention import IMPLS, default_impl
 from pddjax.model.config import ModelConfig
 from pddjax.model.paged import PackedBatch
-from pddjax.model.sampling import SamplingParams
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    dtype: str = "float32"  # weights and KV
-    page_size: int = 16
-    num_pages: int = 256  # page 0 is scratch
-    attention: str = "auto"  # "xla" | "pallas" | "auto" (XLA on CPU, Pallas on GPU/TPU)
-    max_step_tokens: int = 256  # token budget of one step (prefill chunks fill what is left)
-    max_rows: int = 32
-    prefix_cache: bool = True
-    # A step pads every row to its longest (attention runs over [B, Q] x [B, MP*S]). Prompt
-    # rows (several tokens each) join a step only while B x Q stays within pad_limit x T (all
-    # bucketed); a longer one waits for the next step. Rows of one token (decode) and the
-    # extend chunks that join them are not limited (tail chunks ride with decodes). 0 = off.
-    pad_limit: float = 1.5
+from pddjax.model.sampling_params import GREEDY, SamplingParams
 
 
 @dataclasses.dataclass
@@ -61,7 +46,9 @@ class TokenEvent:
 
 
 class PagedEngine:
-    def __init__(self, cfg: ModelConfig, weights: wmod.Weights, fingerprint: str, config: EngineConfig = EngineConfig()):
+    def __init__(self, cfg: ModelConfig, weights: wmod.Weights, fingerprint: str,
+                 config: EngineConfig | None = None):
+        config = config or EngineConfig()
         if config.attention == "auto":
             config = dataclasses.replace(config, attention=default_impl())
         if config.attention not in IMPLS:
@@ -97,7 +84,7 @@ class PagedEngine:
         return len(held)
 
     # ---- admission -------------------------------------------------------------------
-    def add(self, seq_id: str, prompt: list[int], params: SamplingParams = SamplingParams(), max_tokens: int = 16,
+    def add(self, seq_id: str, prompt: list[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
             stop_ids=None, *, hold_on_finish: bool = False, use_cache: bool = True) -> Sequence:
         """Admit a sequence; returns it (`seq.pages.num_cached` = prefix-cache hit in tokens).
         Raises OutOfPages (nothing allocated) if prompt + max_tokens cannot be reserved."""

@@ -18,7 +18,8 @@ import numpy as np
 from pddjax.model import weights as wmod
 from pddjax.model.config import ModelConfig
 from pddjax.model.dense import DenseKV, forward_dense
-from pddjax.model.sampling import SamplingParams, sample
+from pddjax.model.sampling import sample
+from pddjax.model.sampling_params import GREEDY, SamplingParams
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -73,7 +74,8 @@ class ReferenceEngine:
         stop = set(cfg.eos_token_ids if stop_ids is None else stop_ids)
         n = len(prompt_ids)
         if n < 1 or n + max_tokens > cfg.max_context:
-            raise ValueError(f"prompt of {n} tokens plus {max_tokens} new ones does not fit the context of {cfg.max_context}")
+            raise ValueError(f"prompt of {n} tokens plus {max_tokens} new ones does not fit the context of "
+                             f"{cfg.max_context}")
         tb = bucket(n)
         cache = DenseKV.zeros(cfg, 1, min(bucket(n + max_tokens), bucket(cfg.max_context)), self.dtype)
         if cache.k.shape[2] < tb:  # prefill pad must fit the cache
@@ -91,7 +93,7 @@ class ReferenceEngine:
             tok, logits, cache = _decode(self.weights, cfg, tok, jnp.int32(n + step), cache,
                                          *_sampling_arrays(params, step + 1), greedy=greedy)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), max_tokens: int = 16,
+    def generate(self, prompt_ids: list[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
                  stop_ids: tuple[int, ...] | None = None) -> GenerationResult:
         out = list(self.stream(prompt_ids, params, max_tokens, stop_ids))
         stop = set(self.cfg.eos_token_ids if stop_ids is None else stop_ids)

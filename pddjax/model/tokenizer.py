@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from pddjax.model import gguf_loader
+from pddjax.model import gguf_meta
 
 # GGUF token types (gguf.TokenType)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -31,10 +31,10 @@ class GGUFTokenizer:
 
     @classmethod
     def from_reader(cls, reader) -> GGUFTokenizer:
-        f = lambda k, d=None: gguf_loader.field(reader, k, d)  # noqa: E731
+        f = lambda k, d=None: gguf_meta.field(reader, k, d)  # noqa: E731
         model = f("tokenizer.ggml.model")
         if model != "gpt2":
-            raise gguf_loader.GGUFError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE)")
+            raise gguf_meta.GGUFError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE)")
         tokens = [str(t) for t in f("tokenizer.ggml.tokens")]
         types = list(f("tokenizer.ggml.token_type", [1] * len(tokens)))
         merges = [tuple(m.split(" ", 1)) for m in f("tokenizer.ggml.merges", [])]

@@ -82,10 +82,9 @@ def run(args) -> int:
 
 
 async def _run(args) -> int:
-    from pddjax.engines.paged_engine import EngineConfig
-    from pddjax.engines.roles import DecodeEngine
+    from pddjax.engines.paged_engine import EngineConfig, PagedEngine
     from pddjax.model.registry import ModelNotFound, load_model
-    from pddjax.model.sampling import SamplingParams
+    from pddjax.model.sampling_params import SamplingParams
     from pddjax.wan.emulator import WanEmulator
     from pddjax.wan.shaping import LinkProfile
     from serving import kvwire
@@ -100,8 +99,8 @@ async def _run(args) -> int:
         raise UserError(f"--tokens {n} does not fit the model context after a {CONTEXT}-token prompt")
     pages = 4 * (-(-(CONTEXT + n + 2) // 16)) + 8
     ecfg = EngineConfig(dtype=args.dtype, page_size=16, num_pages=pages, max_step_tokens=512, max_rows=2)
-    relay = DecodeEngine(cfg, model.weights, model.fingerprint, ecfg)  # makes the tokens and their KV
-    main = DecodeEngine(cfg, model.weights, model.fingerprint, ecfg)
+    relay = PagedEngine(cfg, model.weights, model.fingerprint, ecfg)  # makes the tokens and their KV
+    main = PagedEngine(cfg, model.weights, model.fingerprint, ecfg)
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(3, cfg.vocab_size, CONTEXT).tolist()
     greedy = SamplingParams()

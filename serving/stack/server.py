@@ -21,47 +21,27 @@ from serving import rpc, security
 from serving.config import ServiceConfig
 from serving.gate import Gate, register
 from serving.metrics import ServiceMetrics
-from serving.pb import cluster_pb2, cluster_pb2_grpc, router_pb2, router_pb2_grpc
+from serving.pb import cluster_pb2, router_pb2
 
 DRAIN_SECONDS = 30.0
 
-ADD_TO_SERVER = {
-    "prefill": (cluster_pb2.DESCRIPTOR.services_by_name["Prefill"], cluster_pb2_grpc.add_PrefillServicer_to_server),
-    "relay": (cluster_pb2.DESCRIPTOR.services_by_name["Decode"], cluster_pb2_grpc.add_DecodeServicer_to_server),
-    "main": (cluster_pb2.DESCRIPTOR.services_by_name["Decode"], cluster_pb2_grpc.add_DecodeServicer_to_server),
-    "router": (router_pb2.DESCRIPTOR.services_by_name["Router"], router_pb2_grpc.add_RouterServicer_to_server),
+# The gRPC service each role answers (the gate registers its methods: serving/gate.py).
+SERVICES = {
+    "prefill": cluster_pb2.DESCRIPTOR.services_by_name["Prefill"],
+    "relay": cluster_pb2.DESCRIPTOR.services_by_name["Decode"],
+    "main": cluster_pb2.DESCRIPTOR.services_by_name["Decode"],
+    "router": router_pb2.DESCRIPTOR.services_by_name["Router"],
 }
-
-SERVICE_NAMES = {
-    "prefill": [cluster_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
-    "relay": [cluster_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
-    "main": [cluster_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
-    "router": [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name],
-}
-
-
-def model_meta(model: str):
-    """(ModelConfig, tokenizer or None) without loading weights (for the router)."""
-    from pddjax.model import gguf_loader
-    from pddjax.model.config import NAMED_CONFIGS, TINY
-    from pddjax.model.registry import smollm2_gguf_path
-    from pddjax.model.tokenizer import GGUFTokenizer
-
-    if model == "tiny":
-        return TINY, None
-    path = smollm2_gguf_path() if model in NAMED_CONFIGS else model
-    reader = gguf_loader.open_reader(path)
-    name = model if model in NAMED_CONFIGS else os.path.basename(path).removesuffix(".gguf")
-    return gguf_loader.config_from_gguf(reader, name), GGUFTokenizer.from_reader(reader)
 
 
 def build_servicer(cfg: ServiceConfig):
-    """-> (servicer, add_to_server function)."""
+    """The role's servicer: the router (model facts only, no JAX) or an engine service."""
     if cfg.role == "router":
+        from pddjax.model.meta import model_facts
         from serving.router.service import RouterService
 
-        mcfg, tok = model_meta(cfg.model)
-        return RouterService(cfg.router, mcfg, tok), router_pb2_grpc.add_RouterServicer_to_server
+        mcfg, tok = model_facts(cfg.model)
+        return RouterService(cfg.router, mcfg, tok)
     from pddjax.model.jax_setup import configure
 
     configure(cfg.platform)
@@ -80,10 +60,10 @@ def build_servicer(cfg: ServiceConfig):
     if cfg.role == "prefill":
         from serving.engine.prefill import PrefillService
 
-        return PrefillService(engine, model.config, info), cluster_pb2_grpc.add_PrefillServicer_to_server
+        return PrefillService(engine, model.config, info)
     from serving.engine.decode import DecodeService
 
-    return DecodeService(cfg.role, engine, model.config, info), cluster_pb2_grpc.add_DecodeServicer_to_server
+    return DecodeService(cfg.role, engine, model.config, info)
 
 
 async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
@@ -91,13 +71,12 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
     token = security.router_token() if public else None
     server = grpc.aio.server(options=rpc.SERVER_OPTIONS,
                              interceptors=[security.BearerAuth(token)] if token else None)
-    names = SERVICE_NAMES[cfg.role]
+    names = [SERVICES[cfg.role].full_name]
     hs = rpc.add_health_and_reflection(server, names, reflection_on=not public)
     await rpc.set_serving(hs, names, False)  # the overall status "" starts SERVING in grpc's servicer
     metrics = ServiceMetrics(cfg.role)
     gate = Gate(metrics)
-    descriptor, _ = ADD_TO_SERVER[cfg.role]
-    register(server, descriptor, gate)
+    register(server, SERVICES[cfg.role], gate)
     port = rpc.add_port(server, f"{cfg.host}:{cfg.port}", public)
     if port == 0:
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
@@ -109,7 +88,7 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    servicer, _ = await loop.run_in_executor(None, build_servicer, cfg)
+    servicer = await loop.run_in_executor(None, build_servicer, cfg)
     servicer.start(loop)
     worker = getattr(servicer, "worker", None)
     if worker is not None:

@@ -122,7 +122,7 @@ def _kernel(q_len_ref, kv_len_ref, layer_ref, pt_ref, q_ref, k_ref, v_ref, o_ref
     num_kv_blocks = jnp.where(qb * bq < q_len, (last + block_kv) // block_kv, 0)
 
     def body(j, carry):
-        acc, m, l = carry  # [R, D], [R], [R] float32
+        acc, m, l_sum = carry  # [R, D], [R], [R] float32 (running sum of exp)
         pages = pt_ref[pl.ds(j * ppb, ppb)]  # [ppb]
         k, v = _load_kv_block(k_ref, v_ref, layer, pages, page_size, head_dim)  # [BK, D]
         # 'rd,kd->rk'
@@ -134,23 +134,23 @@ def _kernel(q_len_ref, kv_len_ref, layer_ref, pt_ref, q_ref, k_ref, v_ref, o_ref
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        l = alpha * l + p.sum(axis=1)
+        l_sum = alpha * l_sum + p.sum(axis=1)
         # 'rk,kd->rd'
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_EXACT,
                              preferred_element_type=jnp.float32)
-        return alpha[:, None] * acc + pv, m_new, l
+        return alpha[:, None] * acc + pv, m_new, l_sum
 
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     first = pl.program_id(3) * blocks_per_split
     last_block = jnp.minimum(first + blocks_per_split, num_kv_blocks)
-    acc, m, l = lax.fori_loop(first, jnp.maximum(first, last_block), body, init)
-    l2 = l[:, None]
+    acc, m, l_sum = lax.fori_loop(first, jnp.maximum(first, last_block), body, init)
+    l2 = l_sum[:, None]
     o_ref[...] = jnp.where(l2 > 0, acc / jnp.where(l2 > 0, l2, 1.0), 0.0).astype(o_ref.dtype)
     if ml_refs:  # partial result of one kv split: out normalized by its own l, plus m and l
         ml_refs[0][...] = m
-        ml_refs[1][...] = l
+        ml_refs[1][...] = l_sum
 
 
 def paged_attention_pallas(
