@@ -72,7 +72,8 @@ class Chunker:
         return out
 
 
-def chunks(request_id: str, run: KVRun, start: int, known_tokens: list[int], chunk_bytes: int) -> list[cluster_pb2.KVChunk]:
+def chunks(request_id: str, run: KVRun, start: int, known_tokens: list[int],
+           chunk_bytes: int) -> list[cluster_pb2.KVChunk]:
     """All chunks of tokens [start, run.end) of `run` (start >= run.start), in one go."""
     return Chunker(request_id, start, run.end, chunk_bytes).feed(run, known_tokens)
 

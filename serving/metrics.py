@@ -22,7 +22,8 @@ class ServiceMetrics:
         self.role = role
         self.registry = CollectorRegistry()
         r = self.registry
-        self.rpc_total = Counter("pddjax_rpc", "RPCs finished, by method and status code", ["method", "code"], registry=r)
+        self.rpc_total = Counter("pddjax_rpc", "RPCs finished, by method and status code", ["method", "code"],
+                                 registry=r)
         self.rpc_seconds = Histogram("pddjax_rpc_seconds", "RPC duration", ["method"], buckets=LATENCY_BUCKETS,
                                      registry=r)
         self.inflight = Gauge("pddjax_rpc_inflight", "RPCs in progress", registry=r)

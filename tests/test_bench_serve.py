@@ -58,7 +58,7 @@ def test_bench_serve_end_to_end_writes_the_schema(tmp_path):
     assert res["modes"]["pdd-drc-off"]["wan_bytes"] > res["modes"]["pdd"]["wan_bytes"]
     assert res["outputs"]["identical"], res["outputs"]
     assert "| pdd |" in p.stdout and "pdd_p99_over_pd_cross" in res["targets"]
-    from pddjax.sim.validate import load_measured
+    from tools.hostlab.validate import load_measured
 
     load_measured(out)  # the simulator accepts it
 

@@ -6,7 +6,7 @@ from pddjax.engines.engine_api import Engine
 from pddjax.engines.fake_engine import FakeEngine
 from pddjax.engines.paged_engine import PagedEngine
 from pddjax.kv.canonical import KVImportError
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 
 
 def test_rule_and_handoff():

@@ -5,7 +5,7 @@ import numpy as np
 
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.dense import DenseKV, forward_dense, forward_full
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from pddjax.model.weights import cast
 
 

@@ -169,8 +169,8 @@ def test_whole_pool_with_layer_index_reads_that_layer():
     rows = [("decode", 1, 30), ("extend", 5, 20), ("empty", 1, 0), ("prefill", 12, 9)]
     q, k, v, cu, kv, pt = make_batch(rows, 7, 8, 3, "float32")
     L = 3
-    k5 = jnp.stack([k * (l + 1) for l in range(L)])  # [L, KH, P, S, D]
-    v5 = jnp.stack([v - l for l in range(L)])
+    k5 = jnp.stack([k * (layer + 1) for layer in range(L)])  # [L, KH, P, S, D]
+    v5 = jnp.stack([v - layer for layer in range(L)])
     for impl in ("xla", "pallas"):
         f = jax.jit(functools.partial(paged_attention, max_q_len=MAX_Q_LEN, sm_scale=SCALE, impl=impl))
         for layer in (0, 2):

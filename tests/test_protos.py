@@ -8,7 +8,8 @@ from serving import protogen
 
 def test_generated_code_matches_protos(tmp_path):
     names = protogen.generate(str(tmp_path))
-    assert {"common_pb2.py", "router_pb2.py", "router_pb2_grpc.py", "cluster_pb2.py", "cluster_pb2_grpc.py"} <= set(names)
+    assert {"common_pb2.py", "router_pb2.py", "router_pb2_grpc.py", "cluster_pb2.py",
+            "cluster_pb2_grpc.py"} <= set(names)
     committed = sorted(f for f in os.listdir(protogen.PB_DIR) if f.endswith(".py") and f != "__init__.py")
     assert committed == sorted(names), "stale or missing stubs: run python -m serving.protogen"
     for name in names:

@@ -305,7 +305,7 @@ class CacheMachine(RuleBasedStateMachine):
     def integrity(self):
         self.a.check_integrity()
         self.c.check_integrity()
-        for tokens, pages, node in self.requests:
+        for tokens, _pages, node in self.requests:
             assert self.c.match_prefix(tokens).num_tokens >= len(self.c._path(node)) * PS
 
     def _locked_nodes(self):

@@ -8,7 +8,7 @@ import pytest
 
 from pddjax.engines.paged_engine import EngineConfig, PagedEngine
 from pddjax.engines.reference import ReferenceEngine
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from tests.conftest import FIXTURES
 
 pytestmark = pytest.mark.real_model

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.errors import UserError
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, RouterError, make_request
 from serving.config import service_config
 from serving.pb import router_pb2, router_pb2_grpc

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from pddjax.engines.reference import ReferenceEngine
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
 from serving.pb import router_pb2, router_pb2_grpc
 from tests.serving_stack import UpProcess, pid_alive

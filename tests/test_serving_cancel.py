@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from pddjax.engines.reference import ReferenceEngine
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
 from serving.gate import Gate, gated_servicer
 from serving.pb import cluster_pb2, cluster_pb2_grpc

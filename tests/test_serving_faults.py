@@ -33,7 +33,7 @@ import pytest
 
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.kv.canonical import KVRun
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from pddjax.wan.emulator import A_TO_B, B_TO_A
 from serving import kvwire
 from serving.client import Client, make_request

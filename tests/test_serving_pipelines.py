@@ -16,7 +16,7 @@ import pytest
 
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.kv.canonical import KVRun
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, RouterError, make_request
 from serving.kvwire import chunks
 from serving.pb import cluster_pb2, cluster_pb2_grpc

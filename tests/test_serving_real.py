@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pddjax.engines.reference import ReferenceEngine
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
 from tests.serving_stack import UpProcess
 

@@ -9,7 +9,7 @@ import trustme
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pddjax.engines.reference import ReferenceEngine
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from serving import security
 from serving.client import Client, RouterError, make_request
 from serving.pb import cluster_pb2, cluster_pb2_grpc

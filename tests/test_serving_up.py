@@ -22,7 +22,7 @@ import pytest
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model import weights as wmod
 from pddjax.model.dense import forward_full
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
 from tests.serving_stack import UpProcess, pid_alive
 

@@ -1,4 +1,5 @@
-"""`pddjax sim` and `pddjax plan`: user errors exit 2 with one sentence; small runs work."""
+"""`pddjax sim` and `pddjax plan`, and the host lab's `python -m tools.hostlab.validate`: user
+errors exit 2 with one sentence; small runs work."""
 
 import json
 
@@ -7,6 +8,8 @@ import pytest
 from pddjax.cli import main
 from pddjax.workload import generate
 from pddjax.workload.config import WorkloadConfig
+from tools.hostlab.validate import PROG
+from tools.hostlab.validate import main as validate_main
 
 ENGINE = {"model": "smollm2-135m", "decode_ms": {"1": 9.1, "8": 10.4, "32": 15.0},
           "extend_ms": {"1": 9.0, "16": 11.2, "64": 19.8}, "prefill_tokens_per_s": 5200.0}
@@ -33,7 +36,6 @@ MEASURED = {"modes": {m: {"ttft_ms": {"p50": 300, "p90": 600, "p99": 900}} for m
     (["plan", "--traffic", "rps=1", "--modes", "pdq"], "--modes"),
     (["sim", "--scenario", "paper"], "--json"),
     (["sim", "--scenario", "paper", "--json", "/tmp/x.json", "--model", "gpt-9"], "unknown model"),
-    (["sim", "--scenario", "validate"], "no measured benchmark file"),
 ])
 def test_user_errors_exit_2_with_one_sentence(argv, fragment, capsys):
     assert main(argv) == 2
@@ -42,16 +44,29 @@ def test_user_errors_exit_2_with_one_sentence(argv, fragment, capsys):
     assert err.count("\n") == 0 and err.endswith(".")
 
 
+def test_validate_without_measured_exits_2_with_one_sentence(capsys):
+    assert validate_main([]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{PROG}: error: ") and "no measured benchmark file" in err
+    assert err.count("\n") == 0 and err.endswith(".")
+
+
+def test_sim_has_no_validate_scenario(capsys):
+    """Validation is the host lab's command now (tools/hostlab), not a `pddjax sim` scenario."""
+    with pytest.raises(SystemExit) as e:
+        main(["sim", "--scenario", "validate"])
+    assert e.value.code == 2 and "invalid choice: 'validate'" in capsys.readouterr().err
+
+
 def test_validate_needs_profile_and_rejects_bad_measured(tmp_path, capsys):
     measured = tmp_path / "m.json"
     measured.write_text(json.dumps(MEASURED))
-    assert main(["sim", "--scenario", "validate", "--measured", str(measured)]) == 2
+    assert validate_main(["--measured", str(measured)]) == 2
     assert "engine profile" in capsys.readouterr().err
     engine = tmp_path / "e.json"
     engine.write_text(json.dumps(ENGINE))
     measured.write_text(json.dumps({"modes": {"pdd": {"ttft_ms": {"p50": "fast"}}}}))
-    assert main(["sim", "--scenario", "validate", "--measured", str(measured),
-                 "--engine-profile", str(engine)]) == 2
+    assert validate_main(["--measured", str(measured), "--engine-profile", str(engine)]) == 2
     assert "p50 and p99" in capsys.readouterr().err
 
 
@@ -59,7 +74,7 @@ def test_validate_prints_predicted_against_measured(tmp_path, capsys):
     measured, engine, out = tmp_path / "m.json", tmp_path / "e.json", tmp_path / "v.json"
     measured.write_text(json.dumps(MEASURED))
     engine.write_text(json.dumps(ENGINE))
-    assert main(["sim", "--scenario", "validate", "--measured", str(measured), "--engine-profile", str(engine),
+    assert validate_main(["--measured", str(measured), "--engine-profile", str(engine),
                  "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| pdd | p50 |" in table and "| pd-local | p99 |" in table
@@ -78,10 +93,10 @@ def test_validate_rejects_a_bad_calibration(tmp_path, capsys):
     measured.write_text(json.dumps(MEASURED))
     engine.write_text(json.dumps(ENGINE))
     cal.write_text(json.dumps({"attention_ns_per_pair": -1}))
-    argv = ["sim", "--scenario", "validate", "--measured", str(measured), "--engine-profile", str(engine)]
-    assert main([*argv, "--calibration", str(cal)]) == 2
+    argv = ["--measured", str(measured), "--engine-profile", str(engine)]
+    assert validate_main([*argv, "--calibration", str(cal)]) == 2
     assert "attention_ns_per_pair" in capsys.readouterr().err
-    assert main([*argv, "--calibration", str(tmp_path / "missing.json")]) == 2
+    assert validate_main([*argv, "--calibration", str(tmp_path / "missing.json")]) == 2
     assert "cannot read calibration" in capsys.readouterr().err
 
 
@@ -89,7 +104,7 @@ def test_validate_without_trace_or_workload_config_says_so(tmp_path, capsys):
     measured, engine = tmp_path / "m.json", tmp_path / "e.json"
     measured.write_text(json.dumps({**MEASURED, "trace": {}}))
     engine.write_text(json.dumps(ENGINE))
-    assert main(["sim", "--scenario", "validate", "--measured", str(measured), "--engine-profile", str(engine)]) == 2
+    assert validate_main(["--measured", str(measured), "--engine-profile", str(engine)]) == 2
     assert "--trace FILE" in capsys.readouterr().err
 
 
@@ -116,13 +131,13 @@ def test_validate_against_several_runs_uses_their_median_and_shows_each(tmp_path
         paths.append(tmp_path / f"m{i}.json")
         paths[-1].write_text(json.dumps(run))
     out = tmp_path / "v.json"
-    argv = ["sim", "--scenario", "validate", "--engine-profile", str(engine), "--measured", *map(str, paths)]
-    assert main([*argv, "--json", str(out)]) == 0
+    argv = ["--engine-profile", str(engine), "--measured", *map(str, paths)]
+    assert validate_main([*argv, "--json", str(out)]) == 0
     assert "300 / 600 / 450 | 67% |" in capsys.readouterr().out  # pdd p50 of the three runs; (max - min) / median
     rows = {(r["mode"], r["stat"]): r for r in json.loads(out.read_text())["rows"]}
     assert rows[("pdd", "p50")]["measured_ms"] == 450 and rows[("pd-local", "p99")]["measured_ms"] == 1350
     other = json.loads(json.dumps(MEASURED))
     other["wan"]["mbps"] = 40.0
     paths[1].write_text(json.dumps(other))
-    assert main(argv) == 2
+    assert validate_main(argv) == 2
     assert "differs from run 1 in 'wan'" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""The one-host model behind `sim --scenario validate`: shared cores, engine steps, P's
-scheduling, KV streams, and the benchmark's two-phase replay. Cases are small enough to
-check by hand (times in seconds)."""
+"""The one-host model behind the host lab's validation (`python -m tools.hostlab.validate`):
+shared cores, engine steps, P's scheduling, KV streams, and the benchmark's two-phase replay.
+Cases are small enough to check by hand (times in seconds)."""
 
 import pytest
 
@@ -305,11 +305,12 @@ def test_prefill_lease_ends_when_the_last_push_lands():
                                  (256, 4, 128, 128), (32, 4, 128, 16), (8, 2, 8, 4)])
 def test_step_table_rows_have_exactly_the_shape_measured(key):
     from pddjax.sim.engine_steps import pow2, table_width
-    from pddjax.sim.step_table import rows_for
+    from tools.hostlab.step_table import rows_for
 
     rows = rows_for(key)
     tokens = min(256, sum(n for _, n in rows))  # the engine's step budget
-    assert (pow2(tokens), pow2(len(rows)), table_width(max(e for e, _ in rows), 16), pow2(max(n for _, n in rows))) == key
+    width = table_width(max(e for e, _ in rows), 16)
+    assert (pow2(tokens), pow2(len(rows)), width, pow2(max(n for _, n in rows))) == key
 
 
 def test_step_model_uses_measured_shapes_and_scales_the_formula_elsewhere():
@@ -348,7 +349,7 @@ def test_pinned_services_get_their_own_cores_and_share_within_a_set():
 
 
 def test_validation_reads_the_benchmarks_pinning():
-    from pddjax.sim.validate import cpus_of
+    from tools.hostlab.validate import cpus_of
 
     assert cpus_of({"cpus": {"prefill": [0], "relay": [1], "main": [1]}}) == PINNED
     assert cpus_of({"cpus": None}) == () and cpus_of({}) == ()
@@ -394,7 +395,7 @@ def test_core_sets_of_one_machine_slow_each_other_by_the_measured_factor():
 
 
 def test_cluster_couples_pinned_core_sets_only_when_calibrated():
-    from pddjax.sim.crosscore import step_class
+    from pddjax.sim.host import step_class
 
     assert [step_class(2, 2, True), step_class(4, 4, True), step_class(64, 2, False), step_class(65, 1, False)] == [
         "decode", "decode4", "small", "large"]
@@ -410,7 +411,7 @@ def test_cluster_couples_pinned_core_sets_only_when_calibrated():
 
 
 def test_calibration_cross_slowdown_and_first_use_are_checked(tmp_path):
-    from pddjax.sim import calibrate
+    from tools.hostlab import calibrate
 
     good = tmp_path / "good.json"
     good.write_text('{"cross_slowdown": {"decode|small": 1.3}, "first_use_ms": 120}')

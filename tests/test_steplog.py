@@ -1,5 +1,5 @@
 """The engine thread's step log (PDDJAX_STEP_LOG) and its analysis against a step table:
-what `python -m pddjax.sim.steplog` reports is exactly what the worker logged."""
+what `python -m tools.hostlab.steplog` reports is exactly what the worker logged."""
 
 import asyncio
 import json
@@ -8,10 +8,10 @@ import time
 import pytest
 
 from pddjax.engines.fake_engine import FakeEngine
-from pddjax.model.sampling import SamplingParams
-from pddjax.sim import steplog
+from pddjax.model.sampling_params import SamplingParams
 from serving.engine.steplog import StepLog
 from serving.engine.worker import EngineWorker
+from tools.hostlab import steplog
 
 
 def test_worker_logs_each_step_and_command_with_the_threads_cpu(tmp_path, monkeypatch):
@@ -89,7 +89,7 @@ def test_interference_is_read_from_the_runs_own_step_logs(tmp_path):
     chunk: decode|small = 1.3. P's small chunk (table 0.2 s) takes 0.2 s alone and 0.22 s
     under decode steps: small|decode = 1.1. A relay step that MD (same core) overlapped and
     steps of shapes the table lacks do not count."""
-    from pddjax.sim import interference
+    from tools.hostlab import interference
 
     dec, dec_wide, chunk, chunk_new = [1, 1, 64, 1, 1], [1, 1, 128, 1, 1], [32, 1, 64, 32, 1], [64, 1, 64, 64, 1]
     relay = [(0.2 * i, 0.2 * i + 0.1, dec) for i in range(6)]  # alone (one of them shared with MD below)
@@ -112,7 +112,7 @@ def test_interference_is_read_from_the_runs_own_step_logs(tmp_path):
 
 
 def test_several_calibrations_predict_their_median():
-    from pddjax.sim.validate import compare, ensemble, format_table
+    from tools.hostlab.validate import compare, ensemble, format_table
 
     def pred(p50, p99):
         return {"modes": {"pdd": {"ttft_ms": {"p50": p50, "p99": p99}, "requests": []}}}

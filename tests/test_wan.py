@@ -46,7 +46,7 @@ async def _echo_server():
         w.close()
 
     srv = await asyncio.start_server(echo, "127.0.0.1", 0)
-    return srv, "127.0.0.1:%d" % srv.sockets[0].getsockname()[1]
+    return srv, f"127.0.0.1:{srv.sockets[0].getsockname()[1]}"
 
 
 async def _roundtrip(addr, payload, timeout=5.0):

@@ -199,15 +199,15 @@ def main():
             )
         new = out.sequences[0, len(ids):].tolist()
         assert len(new) == N_NEW, (name, len(new))
-        logits = [l[0].float() for l in out.logits]
-        assert all(int(torch.argmax(l)) == t for l, t in zip(logits, new)), name
+        logits = [lg[0].float() for lg in out.logits]
+        assert all(int(torch.argmax(lg)) == t for lg, t in zip(logits, new)), name
         check = manual_greedy(model, ids, N_NEW)
         if check != new:
             print(f"WARNING {name}: generate() {new} != no-cache loop {check}", file=sys.stderr)
         top = torch.topk(logits[0], 5)
         margins = []
-        for l in logits:
-            t2 = torch.topk(l, 2).values
+        for lg in logits:
+            t2 = torch.topk(lg, 2).values
             margins.append(round(float(t2[0] - t2[1]), 5))
         entry = {
             "name": name,

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from pddjax.errors import UserError  # noqa: F401  (re-exported for subcommands)
+from pddjax.errors import UserError
 
 # Modules that contribute subcommands (imported lazily so `pddjax --help` stays fast).
 _SUBCOMMAND_MODULES = [

@@ -9,8 +9,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pddjax.model.sampling_params import SamplingParams  # noqa: F401  (tools/hostlab imports it here)
-
 
 def _float_key(x):
     """Monotone map float32 -> int32 (a < b iff key(a) < key(b)), for exact bisection."""

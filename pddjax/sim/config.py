@@ -63,7 +63,8 @@ class HostConfig:
     # the same set share one Host; sets must be equal or disjoint.
     cpus: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # Pinned core sets still share the memory system: ("x|y", s) = a step of class x runs s
-    # times slower while another core set runs one of class y (`crosscore.py`; empty = none).
+    # times slower while another core set runs one of class y (`host.step_class`; measured by
+    # tools/hostlab; empty = none).
     cross_slowdown: tuple[tuple[str, float], ...] = ()
 
     @property

@@ -29,9 +29,9 @@ from collections import deque
 from collections.abc import Callable
 
 from pddjax.sim.cache import PrefixCache
-from pddjax.sim.crosscore import step_class
 from pddjax.sim.engine_steps import StepModel
 from pddjax.sim.events import EPS, EventLoop, SimError
+from pddjax.sim.host import step_class
 
 _ids = itertools.count()
 
@@ -206,7 +206,7 @@ class DecodeInstance:
             self.tokens_out += self._n * len(self._run)
         self._busy, self._n = False, 0
         self._planning = True
-        for seq, k, ctx, done in self._seg_ext:
+        for *_, done in self._seg_ext:
             done()
         self._seg_ext = []
         self._planning = False

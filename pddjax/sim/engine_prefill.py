@@ -23,10 +23,9 @@ from collections.abc import Callable
 from pddjax.engines.buckets import padded_past
 from pddjax.sim.cache import PrefixCache
 from pddjax.sim.config import HostConfig
-from pddjax.sim.crosscore import step_class
 from pddjax.sim.engine_steps import StepModel
 from pddjax.sim.events import EventLoop, SimError
-from pddjax.sim.host import Host
+from pddjax.sim.host import Host, step_class
 from pddjax.sim.lineage import Lineage
 
 

@@ -20,10 +20,10 @@ the padded [B, Q] x [B, C] block, so a step costs
   kv_bytes_per_token each; G costs `gather_ns_per_slot` per slot up to
   `gather_knee_slots` (the copy stays in the CPU's caches) and `gather_far_ns_per_slot`
   beyond (memory-bound: measured 2.7x dearer here). Measured separately (`python -m
-  pddjax.sim.calibrate`): `bench engine` times at one context (256) only.
+  tools.hostlab.calibrate`): `bench engine` times at one context (256) only.
 With a = G = 0 this is the profile's interpolation without context.
 
-A measured `step_table` (`python -m pddjax.sim.step_table`: each shape the trace uses, timed
+A measured `step_table` (`python -m tools.hostlab.step_table`: each shape the trace uses, timed
 on the engine) replaces the formula where it has the shape: XLA computes the whole padded
 block, so a step's time depends on its bucketed shape only. Shapes it lacks get the formula
 scaled by the table's median measured / formula ratio (one correction for how this host

@@ -19,19 +19,16 @@ cost 4 bytes each on the wire, counted in `id_bytes`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pddjax.sim.decode import Seq
 from pddjax.sim.request import SimRequest
-
-if TYPE_CHECKING:
-    from pddjax.sim.cluster import Cluster
 
 ID_BYTES = 4
 
 
 class Handoff:
-    def __init__(self, cluster: Cluster):
+    def __init__(self, cluster):
+        """`cluster`: the `cluster.Cluster` that builds this handoff (handed in, not imported:
+        cluster.py imports this module)."""
         self.c = cluster
         self.id_bytes = 0
         self.cancelled_transfers = 0
@@ -99,10 +96,13 @@ class Handoff:
         c = self.c
         if req.done or req.md_seq.state == "done":
             return
-        if final:
-            done = lambda: self._take_over(req)
-        else:
-            done = lambda: c.back.message(lambda: self._step(req))
+
+        def done() -> None:
+            if final:
+                self._take_over(req)
+            else:
+                c.back.message(lambda: self._step(req))
+
         if k == 0:
             done()
         else:

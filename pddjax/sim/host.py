@@ -11,8 +11,8 @@ take work_s * max(1, k / C); k jobs that each want the whole host take work_s * 
 
 Hosts that are core sets of one machine (`bench serve` pins services) do not share cores but
 do share its memory system: `couple(hosts, cross)` makes every job of class x (`kind`: a
-step's `crosscore.step_class`) run `cross["x|y"]` times slower while another of the hosts runs
-a job of class y (the largest factor if several; measured by `python -m pddjax.sim.crosscore`).
+step's `step_class`) run `cross["x|y"]` times slower while another of the hosts runs a job of
+class y (the largest factor if several; measured by the host lab, `tools/hostlab/README.md`).
 
 Implemented with a virtual clock, as the WAN line: V advances at the common rate, and a job
 of w seconds started at V0 ends when V = V0 + w; a start or an end changes the rate (of the
@@ -27,6 +27,18 @@ import itertools
 from collections.abc import Callable
 
 from pddjax.sim.events import EPS, EventLoop, OneAtATime, SimError
+
+SMALL_TOKENS = 64  # a step of at most this many tokens with a multi-token row is "small"
+WIDE_ROWS = 3  # a decode step of at least this many rows is "decode4"
+
+
+def step_class(tokens: int, rows: int, decode_only: bool) -> str:
+    """The class of a step of `tokens` tokens in `rows` rows (decode_only: every row one token),
+    the key of `cross_slowdown`: "decode" (one or two one-token rows), "decode4" (three or
+    more), "small" (a chunk of at most 64 tokens), "large" (more)."""
+    if decode_only:
+        return "decode4" if rows >= WIDE_ROWS else "decode"
+    return "small" if tokens <= SMALL_TOKENS else "large"
 
 
 class Job:

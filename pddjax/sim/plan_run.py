@@ -27,7 +27,8 @@ def run_plan(wl: WorkloadConfig, sla: Sla, wans: list[float], accs, wan_latency_
                              wan_gbps=max(wans), wan_latency_s=wan_latency_s, tpot_target_s=0.8 * sla.tpot_s,
                              rld_threshold_s=0.1 * sla.ttft_s)
         plans[mode] = cheapest(base, rps, wl, sla, wans).to_json()
-    rows = ["| deployment | P | RLD | D/MD | line Gb/s | cost USD/h | BCR req/USD | TTFT p50/p99 s | TPOT p90 ms | RLD share |",
+    rows = ["| deployment | P | RLD | D/MD | line Gb/s | cost USD/h | BCR req/USD | TTFT p50/p99 s | TPOT p90 ms "
+            "| RLD share |",
             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for mode, p in plans.items():
         if not p["feasible"]:

@@ -21,7 +21,8 @@ class SimRequest:
 
     def __init__(self, tr: TraceRequest):
         self.tr, self.rid, self.sid, self.turn = tr, tr.request_id, tr.session_id, tr.turn
-        self.doc, self.prompt, self.prefix, self.output = tr.doc_id, tr.prompt_tokens, tr.prefix_tokens, tr.output_tokens
+        self.doc, self.prompt = tr.doc_id, tr.prompt_tokens
+        self.prefix, self.output = tr.prefix_tokens, tr.output_tokens
         self.arrival = self.prefill_start = self.prefill_end = -1.0
         self.p_predicted_s = 0.0
         self.p_hit = self.md_hit = self.md_pinned = 0

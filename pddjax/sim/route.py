@@ -26,8 +26,6 @@ flight: a request reaches P's batch only after P has finished a step it did not 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pddjax.policy import (
     PD_CROSS,
     PD_LOCAL,
@@ -43,15 +41,14 @@ from pddjax.sim.request import SimRequest
 from pddjax.sim.streams import KVStream
 from pddjax.sim.sync import MainSync
 
-if TYPE_CHECKING:
-    from pddjax.sim.cluster import Cluster
-
 LOAD_SLACK = 0.25  # fraction of max_batch an affine instance may exceed the least loaded by
 PIPELINE = {PD_CROSS: "P-MD", PD_LOCAL: "P-RLD"}  # else P-RLD-MD
 
 
 class Router:
-    def __init__(self, cluster: Cluster):
+    def __init__(self, cluster):
+        """`cluster`: the `cluster.Cluster` that builds this router (handed in, not imported:
+        cluster.py imports this module)."""
         c = self.c = cluster
         cfg = c.cfg
         self.counts: dict[str, int] = {}

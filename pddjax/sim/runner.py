@@ -9,8 +9,10 @@ from pddjax.workload.config import WorkloadConfig
 from pddjax.workload.generator import generate
 from pddjax.workload.trace import TraceRequest
 
+DEFAULT_SLA = Sla()
 
-def simulate(cfg: ClusterConfig, trace: list[TraceRequest], sla: Sla = Sla(),
+
+def simulate(cfg: ClusterConfig, trace: list[TraceRequest], sla: Sla = DEFAULT_SLA,
              timeline_bins: int = 0, horizon: float | None = None, measure_all: bool = False) -> dict:
     """Simulate `trace` on `cfg` (requests sent up to `horizon`; default: the last session
     start, or every request if `measure_all`); the summary of `metrics.summarize` over the
@@ -42,7 +44,8 @@ def simulate(cfg: ClusterConfig, trace: list[TraceRequest], sla: Sla = Sla(),
     return out
 
 
-def simulate_workload(cfg: ClusterConfig, wl: WorkloadConfig, sla: Sla = Sla(), timeline_bins: int = 0) -> dict:
+def simulate_workload(cfg: ClusterConfig, wl: WorkloadConfig, sla: Sla = DEFAULT_SLA,
+                      timeline_bins: int = 0) -> dict:
     """Generate `wl` (up to its duration) and simulate it on `cfg` with horizon = duration."""
     trace = generate(wl, until=wl.duration_s)
     return simulate(cfg, trace, sla, timeline_bins, horizon=wl.duration_s)

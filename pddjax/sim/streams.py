@@ -64,7 +64,8 @@ class KVStream:
         now = self.c.loop.now
         self.waited += max(0.0, now - max(self._free_at, self.t0))  # the push had nothing to send
         if self.hc and not self.wan:  # loopback: the chunks reach the receiver's PushKV at once
-            pieces = [self.chunk_tokens] * (n // self.chunk_tokens) + [n % self.chunk_tokens] * (n % self.chunk_tokens > 0)
+            ct = self.chunk_tokens
+            pieces = [ct] * (n // ct) + [n % ct] * (n % ct > 0)
             for k in pieces:
                 self._arrive(k)
             if last:

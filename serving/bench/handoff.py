@@ -40,7 +40,8 @@ def register(bsub) -> None:
     p.set_defaults(func=run)
 
 
-def bandwidth_trace(mean_mbps: float, seed: int, seconds: float = 60.0, step_s: float = 0.1) -> list[tuple[float, float]]:
+def bandwidth_trace(mean_mbps: float, seed: int, seconds: float = 60.0,
+                    step_s: float = 0.1) -> list[tuple[float, float]]:
     """Seeded lognormal swings around `mean_mbps` (sigma 0.6: a few x up and down)."""
     rng = random.Random(seed)
     mu = np.log(mean_mbps) - 0.18  # lognormal mean = exp(mu + sigma^2 / 2)

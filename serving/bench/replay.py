@@ -125,11 +125,12 @@ def replay(router: str, trace, pipeline: str, builder, handoff: str | None, labe
         rec = Record(req.request_id, req.session_id, req.turn, req.hit, len(prompt), send_s=sent - clock["t0"])
         times: list[tuple[float, int, int]] = []  # (t, tokens, source of the first token)
         try:
-            res = clients[-1].generate(make_request(prompt, max_tokens=req.max_tokens, pipeline=pipeline, handoff=handoff,
-                                               request_id=f"{req.request_id}", session_id=str(req.session_id),
-                                               ignore_eos=True),
-                                  timeout=timeout, on_tokens=lambda m: times.append((time.perf_counter(), len(m.token_ids),
-                                                                                     m.sources[0] if m.sources else 0)))
+            request = make_request(prompt, max_tokens=req.max_tokens, pipeline=pipeline, handoff=handoff,
+                                   request_id=f"{req.request_id}", session_id=str(req.session_id), ignore_eos=True)
+            res = clients[-1].generate(
+                request, timeout=timeout,
+                on_tokens=lambda m: times.append((time.perf_counter(), len(m.token_ids),
+                                                  m.sources[0] if m.sources else 0)))
         except RouterError as e:
             rec.error = f"{e.code.name}: {e}"
             with lock:

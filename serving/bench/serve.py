@@ -48,7 +48,8 @@ WAN_DEFAULTS = {"mbps": 20.0, "latency_ms": 20.0, "jitter_ms": 5.0, "jitter_dist
 def register(bsub) -> None:
     p = bsub.add_parser("serve", help="replay an agentic trace through pdd, pd-cross, pd-local (+ DRC off)")
     p.add_argument("--json", required=True, help="write the figures to this file")
-    p.add_argument("--quick", action="store_true", help="a short trace (seed 0: 7 sessions, 22 measured requests after 13 history turns)")
+    p.add_argument("--quick", action="store_true",
+                   help="a short trace (seed 0: 7 sessions, 22 measured requests after 13 history turns)")
     p.add_argument("--trace", help="replay this JSONL trace instead of generating one")
     p.add_argument("--save-trace", help="also write the trace used to this JSONL file")
     p.add_argument("--plots", help="write PNG plots to this folder (needs matplotlib: the `plots` extra)")
@@ -326,8 +327,9 @@ def run(args) -> int:
                        sessions=3 if mode == modes[0] else 2)
             builder = TokenBuilder(trace_seed, mcfg.vocab_size)
             t_hist = time.monotonic()
-            records, wall, history, history_wall = replay(stack.router, trace, MODES[mode], builder, _req_handoff(args.handoff),
-                                            mode, before_measure=measure_from_here)
+            records, wall, history, history_wall = replay(stack.router, trace, MODES[mode], builder,
+                                                          _req_handoff(args.handoff), mode,
+                                                          before_measure=measure_from_here)
             after = link.stats()
             cpu_after = stack.cpu_s()
             window = [round(counters["t_before"], 3), round(time.time(), 3)]

@@ -13,7 +13,7 @@ engine thread appends one JSON line per step and per command to `DIR/<worker>-<p
 `cpu` is the engine thread's own CPU time (time.thread_time): on CPU, XLA runs a step's
 kernels on its own threads too, so `wall` is the figure to compare with a measured step
 table, `cpu` says how much of it the Python side took. Lines are buffered and flushed
-every 256 entries or 2 s and at close; `python -m pddjax.sim.steplog` reads them.
+every 256 entries or 2 s and at close; `python -m tools.hostlab.steplog` reads them (tools/hostlab/README.md).
 """
 
 from __future__ import annotations

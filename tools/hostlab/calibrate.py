@@ -1,15 +1,15 @@
-"""Host calibration for `pddjax sim --scenario validate`: what `bench engine` does not measure.
+"""Host calibration for `python -m tools.hostlab.validate`: what `bench engine` does not measure.
 
-    python -m pddjax.sim.calibrate --json FILE [--model smollm2-135m] [--repeats 3]
+    python -m tools.hostlab.calibrate --json FILE [--model smollm2-135m] [--repeats 3]
 
 Measures on this machine, with the paged engine and the real KV wire code:
 - `attention_ns_per_pair`, `gather_ns_per_slot`, `gather_far_ns_per_slot`: how a step's time
-  grows with context (`engine_steps.py`): a 256-token prefill chunk at context 0 and 768,
+  grows with context (`pddjax/sim/engine_steps.py`): a 256-token prefill chunk at context 0 and 768,
   decode steps of 1, 4 and 8 rows at ~130 and ~1,000 tokens (`_fit_context`), the steps
   of all setups timed in turn so that load from other processes hits them alike;
 - `step_cores`, `decode_cores`: the cores a prefill chunk and a decode step keep busy alone,
   as their speedup from one core to all (timed pinned to one core and unpinned, in turn; a
-  proxy: `python -m pddjax.sim.contention` measures them as the host model uses them);
+  proxy: `python -m tools.hostlab.contention` measures them as the host model uses them);
 - a check, not a fit (`check_ms`): a two-row step (216 + 40 tokens after 768 / 896 cached)
   against the formula's prediction from the other setups;
 - `export_us_per_token` (P: gather the KV out of the pool), `serialize_us_per_token` (cut it
@@ -17,8 +17,8 @@ Measures on this machine, with the paged engine and the real KV wire code:
   token of SmolLM2-135M float32 KV, from 1,024-token runs.
 `request_overhead_ms` (the router's own work per request) and `rpc_ms` (one loopback gRPC
 round trip, besides waiting for the engine thread) are not measured here (defaults below).
-This is the only sim module that imports jax, and only inside `measure`. `DEFAULT` holds the
-figures measured on the 2-core development VM (docs/sim.md, "Validation").
+It imports jax (and the KV wire code) only inside `measure`. `DEFAULT` holds the
+figures measured on the 2-core development VM (tools/hostlab/README.md, "Validation").
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import time
 from pddjax.sim.config import HostConfig
 from pddjax.sim.measured import MeasuredInstance
 
-DEFAULT = {  # measured on the 2-core development VM, 2026-11-30 03:11 (docs/sim.md)
+DEFAULT = {  # measured on the 2-core development VM, 2026-11-30 03:11 (tools/hostlab/README.md)
     "cores": 2.0,
-    "step_cores": 2.0,  # not measured cleanly yet (see docs/sim.md)
+    "step_cores": 2.0,  # not measured cleanly yet (see tools/hostlab/README.md)
     "decode_cores": 2.0,
     "attention_ns_per_pair": 1564.8,
     "gather_ns_per_slot": 5489.7,
@@ -128,7 +128,7 @@ def _setup(model, kind: str, rows: int, ctx: int, seed: int):
     import numpy as np
 
     from pddjax.engines.paged_engine import EngineConfig, PagedEngine
-    from pddjax.model.sampling import SamplingParams
+    from pddjax.model.sampling_params import SamplingParams
 
     mcfg, g = model.config, SamplingParams()
     rng = np.random.default_rng(seed)
@@ -298,7 +298,8 @@ def measure(model_name: str = "smollm2-135m", repeats: int = 8, cores: float = 2
     m = StepModel(profile(base, out))
     lin = t["chunk256_ctx768"] - m.step_s(chunks=[(256, 1024)]) + m.lin(256)  # this host's lin(256)
     pred = lin + m.step_s(chunks=[(216, 984), (40, 936)]) - m.lin(256)
-    out["check_ms"] = {"mixed2x_ctx768": {"measured": round(1e3 * t["mixed2x_ctx768"], 1), "model": round(1e3 * pred, 1)}}
+    out["check_ms"] = {"mixed2x_ctx768": {"measured": round(1e3 * t["mixed2x_ctx768"], 1),
+                                          "model": round(1e3 * pred, 1)}}
     return out
 
 
@@ -319,7 +320,7 @@ def run_cli(prog: str, doc: str, measure_fn, repeats: int, argv=None, json_help:
 
 
 def main(argv=None) -> int:
-    return run_cli("python -m pddjax.sim.calibrate", __doc__, measure, 8, argv)
+    return run_cli("python -m tools.hostlab.calibrate", __doc__, measure, 8, argv)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """How engine steps of two processes slow each other down: the host model's `step_cores`
-and `decode_cores`, measured the way `host.py` uses them.
+and `decode_cores`, measured the way `pddjax/sim/host.py` uses them.
 
-    python -m pddjax.sim.contention --json FILE [--model smollm2-135m] [--repeats 6]
+    python -m tools.hostlab.contention --json FILE [--model smollm2-135m] [--repeats 6]
 
-`host.py` shares the cores by processor sharing: a job that keeps c cores busy alone, run
+`pddjax/sim/host.py` shares the cores by processor sharing: a job that keeps c cores busy alone, run
 while other jobs keep d more busy on a host of C cores, runs min(1, C / (c + d)) as fast.
 So a step timed alone and then while another *process* runs the same step in a loop slows
 down by s = max(1, 2c / C), i.e. c = C * s / 2 (exact when s > 1; s = 1 says only c <= C/2).
@@ -25,7 +25,7 @@ KINDS = {"chunk": ("chunk", 1, 768), "decode": ("decode", 4, 980)}
 
 def _loop(model_name: str, setup: tuple, ready, stop) -> None:
     """Child process: run the setup's step back to back until told to stop."""
-    from pddjax.sim.calibrate import _model, _setup
+    from tools.hostlab.calibrate import _model, _setup
 
     step = _setup(_model(model_name), *setup, seed=1)
     ready.set()
@@ -59,7 +59,7 @@ def looping_child(target, args: tuple, what: str):
 
 def measure(model_name: str = "smollm2-135m", repeats: int = 6, cores: float = 2.0, kinds: dict = KINDS) -> dict:
     """`kinds`: {"chunk": setup, "decode": setup} as calibrate's SETUPS entries."""
-    from pddjax.sim.calibrate import _model, _setup
+    from tools.hostlab.calibrate import _model, _setup
 
     model = _model(model_name)
     steps = {k: _setup(model, *v, seed=0) for k, v in kinds.items()}
@@ -79,10 +79,11 @@ def measure(model_name: str = "smollm2-135m", repeats: int = 6, cores: float = 2
 
 
 def main(argv=None) -> int:
-    from pddjax.sim.calibrate import run_cli
+    from tools.hostlab.calibrate import run_cli
 
-    return run_cli("python -m pddjax.sim.contention", __doc__, measure, 6, argv,
-                   json_help="write the result here (merge step_cores / decode_cores into a calibration JSON to use them)")
+    return run_cli("python -m tools.hostlab.contention", __doc__, measure, 6, argv,
+                   json_help="write the result here (merge step_cores / decode_cores into a calibration JSON "
+                             "to use them)")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """How an engine step on one core slows a step on another: the host model's `cross_slowdown`.
 
-    python -m pddjax.sim.crosscore --json FILE [--model smollm2-135m] [--repeats 7]
+    python -m tools.hostlab.crosscore --json FILE [--model smollm2-135m] [--repeats 7]
 
 `bench serve` pins P alone on core 0 and RLD + MD on core 1, so processor sharing
-(`host.py`, `contention.py`) never couples them. They still share the memory system: a
+(`pddjax/sim/host.py`, `contention.py`) never couples them. They still share the memory system: a
 SmolLM2-135M float32 step streams its 540 MB of weights and the KV it gathers, so a decode
 step (memory-bound) runs slower while the other core streams weights too. Measured here as
 `slow[x|y]` = the time of step class x pinned to core B while another process runs class y
 back to back pinned to core A, over x alone just before (so slow drifts of other load hit
-both). Classes (`step_class`): "decode" (one or two one-token rows; timed: 1 row at ~2K
+both). Classes (`pddjax.sim.host.step_class`): "decode" (one or two one-token rows; timed: 1 row at ~2K
 tokens), "decode4" (three or more; timed: 4 rows at ~2K: four times the KV gathered), "small"
 (a chunk of at most 64 tokens; timed: 32 after 1K cached), "large" (more; timed: 256 after 768
 cached). The host model applies slow[x|y] to a core set's steps of class x while
@@ -22,21 +22,10 @@ import os
 import statistics
 import time
 
-from pddjax.sim.contention import looping_child, median_s
+from tools.hostlab.contention import looping_child, median_s
 
 SHAPES = {"decode": (1, 1, 128, 1), "decode4": (4, 4, 128, 1), "small": (32, 1, 64, 32),
           "large": (256, 1, 64, 256)}  # step_table keys of the timed steps
-SMALL_TOKENS = 64  # a step of at most this many tokens with a multi-token row is "small"
-WIDE_ROWS = 3  # a decode step of at least this many rows is "decode4"
-
-
-def step_class(tokens: int, rows: int, decode_only: bool) -> str:
-    """The class of a step of `tokens` tokens in `rows` rows (decode_only: every row one token)."""
-    if decode_only:
-        return "decode4" if rows >= WIDE_ROWS else "decode"
-    return "small" if tokens <= SMALL_TOKENS else "large"
-
-
 def _decode_step(model, seed: int, rows: int = 1, ctx: int = 1984):
     """step() -> seconds of a decode step of `rows` one-token rows at ~ctx tokens each (page
     table 128 wide), for ever: every 40 steps the rows are released into the prefix cache and
@@ -45,7 +34,7 @@ def _decode_step(model, seed: int, rows: int = 1, ctx: int = 1984):
     import numpy as np
 
     from pddjax.engines.paged_engine import EngineConfig, PagedEngine
-    from pddjax.model.sampling import SamplingParams
+    from pddjax.model.sampling_params import SamplingParams
 
     g = SamplingParams()
     rng = np.random.default_rng(seed)
@@ -73,7 +62,7 @@ def _decode_step(model, seed: int, rows: int = 1, ctx: int = 1984):
 
 def _timed_step(model, cls: str, seed: int):
     """step() -> seconds of one step of the class, repeatable without end."""
-    from pddjax.sim import step_table
+    from tools.hostlab import step_table
 
     if cls in ("decode", "decode4"):
         step = _decode_step(model, seed, rows=SHAPES[cls][1])
@@ -85,7 +74,7 @@ def _timed_step(model, cls: str, seed: int):
 
 def _loop(model_name: str, cls: str, core: int, ready, stop) -> None:
     """Child process pinned to `core`: run the class's step back to back until told to stop."""
-    from pddjax.sim.calibrate import _model
+    from tools.hostlab.calibrate import _model
 
     os.sched_setaffinity(0, {core})
     step = _timed_step(_model(model_name), cls, seed=7)
@@ -98,7 +87,7 @@ def measure(model_name: str = "smollm2-135m", repeats: int = 7, cores: float = 2
     """{"cross_slowdown": {"x|y": slow}, "alone_ms": {x: ms}} for the pairs (default: all), timed
     on the second core of this process's affinity while the child loops on the first (`cores`:
     the shared CLI's host size, unused)."""
-    from pddjax.sim.calibrate import _model
+    from tools.hostlab.calibrate import _model
 
     saved = os.sched_getaffinity(0)
     if len(saved) < 2:
@@ -125,9 +114,9 @@ def measure(model_name: str = "smollm2-135m", repeats: int = 7, cores: float = 2
 
 
 def main(argv=None) -> int:
-    from pddjax.sim.calibrate import run_cli
+    from tools.hostlab.calibrate import run_cli
 
-    return run_cli("python -m pddjax.sim.crosscore", __doc__, measure, 7, argv,
+    return run_cli("python -m tools.hostlab.crosscore", __doc__, measure, 7, argv,
                    json_help="write the result here (merge cross_slowdown into a calibration JSON to use it)")
 
 

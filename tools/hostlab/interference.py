@@ -1,6 +1,6 @@
 """Cross-core slowdowns as a benchmark run itself saw them, from its services' step logs.
 
-    python -m pddjax.sim.interference --measured bench.json --logs DIR --calibration host.json \
+    python -m tools.hostlab.interference --measured bench.json --logs DIR --calibration host.json \
         [--modes pdd,pd-local] [--json out.json]
 
 `crosscore.py` times the slowdowns on an idle machine, but on this VM they change from one
@@ -8,8 +8,8 @@ measurement to the next (decode|large 1.57 then 1.10; decode|decode 1.12, 1.27, 
 two vCPUs seem to share a physical core some of the time), so a calibration taken an hour
 before the benchmark may not describe it. The step logs (`PDDJAX_STEP_LOG`) hold every
 engine step of the run with its interval and shape, so the same ratio can be read from the
-run: for a step of class x (`crosscore.step_class`) on one core set, r = its wall time over
-the measured step table's time for its shape; b_x = median r of x's steps that nothing on
+run: for a step of class x (`pddjax.sim.host.step_class`) on one core set, r = its wall time
+over the measured step table's time for its shape; b_x = median r of x's steps that nothing on
 another core set overlapped; w_xy = median r of x's steps that class-y steps of another core
 set covered >= `min_cover` of (the majority class); slow[x|y] = w_xy / b_x. Only steps that
 no other service of their own core set overlapped count (processor sharing would inflate
@@ -26,8 +26,8 @@ import statistics
 import sys
 from collections import defaultdict
 
-from pddjax.sim.crosscore import step_class
-from pddjax.sim.steplog import add_run_args, read_log, read_run, service_logs
+from pddjax.sim.host import step_class
+from tools.hostlab.steplog import add_run_args, read_log, read_run, service_logs
 
 
 def _steps(path: str, window: tuple[float, float]) -> list[tuple[float, float, tuple, str]]:
@@ -98,7 +98,7 @@ def from_run(measured: dict, logs: str, table: dict, modes=None, min_cover: floa
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pddjax.sim.interference", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.hostlab.interference", description=__doc__.split("\n")[0])
     add_run_args(ap, calibration_required=True)
     ap.add_argument("--modes", help="comma list (default: every mode with logs)")
     ap.add_argument("--json", help="write the calibration with this run's cross_slowdown merged in")

@@ -1,15 +1,16 @@
 """Measure the engine step of every shape a benchmark trace uses: the simulator's step table.
 
-    python -m pddjax.sim.step_table --measured BENCH.json --trace TRACE.jsonl \
+    python -m tools.hostlab.step_table --measured BENCH.json --trace TRACE.jsonl \
         --engine-profile engine.json [--calibration IN.json] --json OUT.json [--repeats 5]
 
 XLA runs a step over the whole padded block of its bucketed shape (T tokens, B rows,
-page-table width, longest row Q: `engine_steps.py`), so the step's time is a function of
-that key. This script simulates the trace in every mode the benchmark ran (with the
-formula), collects the keys the engines use (~20-40), builds for each a concrete engine
-state with exactly that shape (`rows_for`, `_engine_step`) and times its step (median of `repeats`, after a compile). OUT is the calibration IN (or the
-defaults) plus `step_table`: [[T, B, width, Q, ms], ...]; pass it as `--calibration` to
-`pddjax sim --scenario validate`. Needs a quiet machine; jax is imported inside `measure`.
+page-table width, longest row Q: `pddjax/sim/engine_steps.py`), so the step's time is a
+function of that key. This script simulates the trace in every mode the benchmark ran (with
+the formula), collects the keys the engines use (~20-40), builds for each a concrete engine
+state with exactly that shape (`rows_for`, `_engine_step`) and times its step (median of
+`repeats`, after a compile). OUT is the calibration IN (or the defaults) plus `step_table`:
+[[T, B, width, Q, ms], ...]; pass it as `--calibration` to `python -m tools.hostlab.validate`.
+Needs a quiet machine; jax is imported inside `measure`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import statistics
 import time
 
-from pddjax.sim import calibrate
+from tools.hostlab import calibrate
 
 
 def rows_for(key: tuple[int, int, int, int], page_size: int = 16) -> list[tuple[int, int]]:
@@ -47,7 +48,7 @@ def _engine_step(model, rows: list[tuple[int, int]], seed: int, num_pages: int |
     import numpy as np
 
     from pddjax.engines.paged_engine import EngineConfig, PagedEngine
-    from pddjax.model.sampling import SamplingParams
+    from pddjax.model.sampling_params import SamplingParams
 
     mcfg, g = model.config, SamplingParams()
     rng = np.random.default_rng(seed)
@@ -120,7 +121,7 @@ def first_use(keys, model_name: str = "smollm2-135m", repeats: int = 3) -> float
 
 def trace_keys(measured_path: str, trace_path: str | None, engine_json: dict, cal: dict) -> list:
     """The step shapes the simulated benchmark uses, in every mode it ran."""
-    from pddjax.sim import validate
+    from tools.hostlab import validate
 
     meas = validate.load_measured(measured_path)
     trace = validate.trace_of(meas, trace_path)
@@ -134,7 +135,7 @@ def trace_keys(measured_path: str, trace_path: str | None, engine_json: dict, ca
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pddjax.sim.step_table", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.hostlab.step_table", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measured", required=True)
     ap.add_argument("--trace")

@@ -1,10 +1,10 @@
 """Where a service's CPU went in a real run: its engine thread's step log against the host model.
 
     PDDJAX_STEP_LOG=DIR pddjax bench serve --quick --json bench.json
-    python -m pddjax.sim.steplog --measured bench.json --logs DIR [--calibration host.json]
+    python -m tools.hostlab.steplog --measured bench.json --logs DIR [--calibration host.json]
 
 For every mode and engine service of the benchmark (its JSON records each service's pid and
-the measured phase's wall-clock window), from the service's log (`serving/steplog.py`):
+the measured phase's wall-clock window), from the service's log (`serving/engine/steplog.py`):
 - the process's CPU seconds in the window (the benchmark's `cpu_s`) and how its threads
   split it: engine thread, main (asyncio: gRPC handlers, streams, KV push), other (XLA's
   compute pool, gRPC's own threads);
@@ -124,7 +124,7 @@ def add_run_args(ap: argparse.ArgumentParser, calibration_required: bool = False
     ap.add_argument("--measured", required=True, help="bench serve JSON (with pids and window per mode)")
     ap.add_argument("--logs", required=True, help="the PDDJAX_STEP_LOG folder of that run")
     ap.add_argument("--calibration", required=calibration_required,
-                    help="calibration JSON with a step_table (python -m pddjax.sim.step_table)")
+                    help="calibration JSON with a step_table (python -m tools.hostlab.step_table)")
 
 
 def read_run(args) -> tuple[dict, dict]:
@@ -148,7 +148,7 @@ def print_report(result: dict, file=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pddjax.sim.steplog", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.hostlab.steplog", description=__doc__.split("\n")[0])
     add_run_args(ap)
     ap.add_argument("--json", help="write the summaries here")
     args = ap.parse_args(argv)

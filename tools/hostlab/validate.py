@@ -4,13 +4,15 @@ Inputs:
 - the benchmark's JSON (`pddjax bench serve --json FILE`): `modes.<mode>.ttft_ms` {p50, p99, ...},
   `requests.<mode>` (per request: request_id, pipeline, ttft_ms, ...), `wan` {mbps, latency_ms,
   jitter_ms}, `trace.config` (the generated workload, used when no trace file is given);
-- this machine's engine profile (`pddjax bench engine --json FILE`, see `measured.py`),
-  optionally with the host calibration (`python -m pddjax.sim.calibrate`, `engine_steps.py`);
+- this machine's engine profile (`pddjax bench engine --json FILE`, see
+  `pddjax/sim/measured.py`), optionally with the host calibration (`python -m
+  tools.hostlab.calibrate`, `pddjax/sim/engine_steps.py`);
 - the trace the benchmark replayed (`bench serve --save-trace FILE`), for an exact replay.
 
-The simulation reproduces the benchmark (`bench_serve.py`, `bench_replay.py`): one P, one RLD,
-one MD instance, all on one host whose `HostConfig.cores` they share (`host.py`), each running
-step by step as pddjax's engines do (`engine_prefill.py`, `decode.py`); the history turns
+The simulation reproduces the benchmark (`serving/bench/serve.py`, `serving/bench/replay.py`):
+one P, one RLD, one MD instance, all on one host whose `HostConfig.cores` they share
+(`pddjax/sim/host.py`), each running step by step as pddjax's engines do
+(`pddjax/sim/engine_prefill.py`, `pddjax/sim/decode.py`); the history turns
 first on an unshaped line, then the router restarted (fresh estimates, prior = the line's
 rate) and the measured turns from t0 on the shaped line (a FIFO, as the emulator is),
 closed loop within each session; tokens reach the user from MD directly (the router talks
@@ -18,29 +20,36 @@ to MD without the WAN); `background_cores` of other processes if the benchmark r
 them (`modes.<mode>.host.background_cores`) or the caller gives them. Modes:
 pdd -> "pdd" with the router's policy settings, pd-cross -> "pd-cross", pd-local -> "pd-local"
 (RLD is the local decoder), pdd-drc-off -> "pdd" without MD's DRC.
+
+    python -m tools.hostlab.validate --measured RUN.json [RUN2.json ...] --engine-profile E \
+        [--trace T] [--calibration C [C2 ...]] [--requests] [--json OUT]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from pddjax.errors import UserError
 from pddjax.sim.cluster import Cluster
 from pddjax.sim.config import ClusterConfig, HostConfig, Pool
 from pddjax.sim.measured import MeasuredInstance
 from pddjax.workload.trace import TraceRequest
+from tools.hostlab import calibrate
+from tools.hostlab.runs import STATS, combine
 
 MODES = ("pdd", "pd-cross", "pd-local", "pdd-drc-off")
-STATS = ("p50", "p99")
 TOLERANCE = 0.25
 # The emulator queues every byte P writes in one FIFO per direction (no backpressure) and
 # gRPC's flow-control windows let P keep megabytes queued there, so a hot turn's delta waits
-# behind a cold context's KV: FIFO (per P step) is closer than fair sharing (docs/sim.md).
+# behind a cold context's KV: FIFO (per P step) is closer than fair sharing (tools/hostlab/README.md).
 WAN_SHARING = "fifo"
 BENCH_PIPELINE = {"P-MD": "pd-cross", "P-RLD-MD": "pdd", "P-RLD*": "pdd", "P-RLD": "pd-local", "P-D": "pd-local"}
 
@@ -89,7 +98,8 @@ def mode_config(mode: str, perf: MeasuredInstance, wan: WanSettings, host: HostC
         mode=sim_mode, p=Pool(perf, 1), d=Pool(perf, 1), rld=Pool(perf, 1) if sim_mode == "pdd" else None,
         wan_gbps=gbps, wan_latency_s=wan.latency_ms / 1e3,
         wan_jitter_s=wan.jitter_ms / 1e3 * math.sqrt(2 / math.pi),  # mean of |N(0, j)|
-        wan_sharing=WAN_SHARING, fast_gbps=10.0, fast_latency_s=50e-6, handoff="chunked", chunk_threshold=router.handoff_threshold,
+        wan_sharing=WAN_SHARING, fast_gbps=10.0, fast_latency_s=50e-6, handoff="chunked",
+        chunk_threshold=router.handoff_threshold,
         rld_threshold_s=router.ttft_budget_s, filter_cap=router.filter_cap, filter_window=router.filter_window,
         drift_tolerance=router.drift_tolerance, rld_prior_tokens_per_s=router.rld_tokens_per_s_prior,
         wan_prior_gbps=gbps, cancel_late_transfers=False, link_timing="wire", user_lag_s=0.0,
@@ -236,8 +246,8 @@ def ensemble(preds: list[dict]) -> dict:
     out = {"modes": {}}
     for mode, first in preds[0]["modes"].items():
         vals = {stat: [p["modes"][mode]["ttft_ms"][stat] for p in preds] for stat in STATS}
-        out["modes"][mode] = {**first, "ttft_ms": {**first["ttft_ms"], **{k: float(np.median(v)) for k, v in vals.items()}},
-                              "ttft_calibrations": vals}
+        med = {k: float(np.median(v)) for k, v in vals.items()}
+        out["modes"][mode] = {**first, "ttft_ms": {**first["ttft_ms"], **med}, "ttft_calibrations": vals}
     return out
 
 
@@ -288,8 +298,8 @@ def format_table(rows: list[dict]) -> str:
     """Markdown table of `compare` rows."""
     runs = any(r.get("runs") for r in rows)  # several runs: measured = their median; show each
     cals = any(r.get("calibrations") for r in rows)  # several calibrations: predicted = their median
-    lines = ["| mode | TTFT | predicted ms | measured ms | error | within 25% |" + (" runs (ms) | run spread |" if runs else "")
-             + (" predicted per calibration (ms) |" if cals else ""),
+    lines = ["| mode | TTFT | predicted ms | measured ms | error | within 25% |"
+             + (" runs (ms) | run spread |" if runs else "") + (" predicted per calibration (ms) |" if cals else ""),
              "|---|---|---:|---:|---:|---|" + ("---|---:|" if runs else "") + ("---|" if cals else "")]
     for r in rows:
         line = (f"| {r['mode']} | {r['stat']} | {r['predicted_ms']:.0f} | {r['measured_ms']:.0f} | "
@@ -311,3 +321,119 @@ def format_requests(rows: list[dict]) -> str:
         lines.append(f"| {r['request_id']} | {r['hit']:.2f} | {r['measured_ms']:.0f} | {r['predicted_ms']:.0f} | "
                      f"{r['measured_pipeline']} / {r['predicted_pipeline']} | {r['cached_on_main']} / {r['md_hit']} |")
     return "\n".join(lines)
+
+
+# ---- the command ------------------------------------------------------------------------
+PROG = "python -m tools.hostlab.validate"
+HELP = """Predicted vs measured TTFT P50/P99 of `pddjax bench serve --quick`. Needs --measured
+(the benchmark's JSON) and --engine-profile (`pddjax bench engine --json`); best with --trace
+(`bench serve --save-trace`) and --calibration (`python -m tools.hostlab.calibrate --json F`,
+this host's step and overhead costs; default: the figures measured on the 2-core development
+VM, tools/hostlab/README.md)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--measured", metavar="FILE", nargs="+",
+                   help="the benchmark's JSON; several runs of one trace: compared with their median")
+    p.add_argument("--engine-profile", metavar="FILE", help="`pddjax bench engine --json` output")
+    p.add_argument("--trace", metavar="FILE",
+                   help="the trace the benchmark replayed (default: regenerated from its JSON)")
+    p.add_argument("--calibration", metavar="FILE", nargs="+",
+                   help="host calibration (python -m tools.hostlab.calibrate); several: predict with each, "
+                        "compare their median")
+    p.add_argument("--host-cores", type=float, help="cores the services share (default: calibration's)")
+    p.add_argument("--shared-cores", action="store_true",
+                   help="model every service on all cores even if the benchmark pinned them")
+    p.add_argument("--background-cores", type=float,
+                   help="cores other processes kept busy (default: the benchmark's record, else 0)")
+    p.add_argument("--wan-gbps", type=float, help="emulated WAN bandwidth (default: the benchmark's)")
+    p.add_argument("--wan-ms", type=float, help="emulated one-way latency (default: the benchmark's)")
+    p.add_argument("--jitter-ms", type=float, help="emulated jitter scale (default: the benchmark's)")
+    p.add_argument("--requests", action="store_true", help="also print the request-by-request table")
+    p.add_argument("--json", metavar="FILE", help="write the result here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The validation command; a user error is one line on stderr and exit code 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    missing = [m for m in args.measured or [] if not Path(m).is_file()]
+    if not args.measured or missing:
+        raise UserError(f"no measured benchmark file{' ' + missing[0] if missing else ''}: run `pddjax bench serve "
+                        "--quick --json FILE` and pass it with --measured FILE.")
+    if not args.engine_profile or not Path(args.engine_profile).is_file():
+        raise UserError("no engine profile: run `pddjax bench engine --json FILE` and pass it "
+                        "with --engine-profile FILE.")
+    try:
+        measured = combine([load_measured(m) for m in args.measured])
+        cals = [calibrate.load(c) for c in args.calibration] if args.calibration else [dict(calibrate.DEFAULT)]
+        for cal in cals:
+            if args.host_cores is not None:
+                cal["cores"] = args.host_cores
+            if args.background_cores is not None:
+                cal["background_cores"] = args.background_cores
+        with open(args.engine_profile, encoding="utf-8") as f:
+            engine_json = json.load(f)
+        setups = [(calibrate.profile(engine_json, cal),
+                   calibrate.host_config(cal, cpus=() if args.shared_cores else cpus_of(measured))) for cal in cals]
+        trace = trace_of(measured, args.trace)
+    except (ValueError, OSError) as e:
+        raise UserError(_sentence(str(e))) from None
+    wan = wan_of(measured)
+    if args.wan_gbps is not None or wan is None:
+        if args.wan_gbps is None:
+            raise UserError("the benchmark JSON records no WAN settings: pass --wan-gbps, --wan-ms, --jitter-ms.")
+        wan = WanSettings(1e3 * args.wan_gbps, 20.0, 0.0)
+    wan = WanSettings(wan.mbps, wan.latency_ms if args.wan_ms is None else args.wan_ms,
+                      wan.jitter_ms if args.jitter_ms is None else args.jitter_ms)
+    modes = measured_modes(measured)
+    background = None if args.background_cores is not None else {m: background_of(measured, m) for m in modes}
+    predicted = ensemble([predict(perf, wan, host, trace, modes, background=background) for perf, host in setups])
+    rows = compare(predicted, measured)
+    print(format_table(rows))
+    details = {m: per_request(predicted, measured, m) for m in modes}
+    agree = {m: request_agreement(details[m]) for m in modes}
+    for m in modes:
+        a, pm, mm = agree[m], predicted["modes"][m], measured["modes"][m]
+        if a["n"]:
+            hist = mm.get("history_s")
+            print(f"{m}: {a['n']} requests, {100 * a['within_25']:.0f}% within 25%, {100 * a['within_50']:.0f}% "
+                  f"within 50% of their measured TTFT; history phase {pm['history_s']:.1f} s"
+                  + (f" (measured {hist:.1f} s)" if isinstance(hist, (int, float)) else "")
+                  + f"; step shapes first used while measuring {pm['new_step_shapes']}")
+            if isinstance(mm.get("cpu_s"), dict):  # bench serve records each process's CPU time
+                print("  CPU s during the measured phase, measured / sim: " + ", ".join(
+                    f"{r} {mm['cpu_s'].get(r, float('nan')):.1f} / {pm['cpu_s'].get(r, 0.0):.1f}"
+                    for r in ("prefill", "relay", "main")) + "; not simulated: " + ", ".join(
+                    f"{r} {v:.1f}" for r, v in mm["cpu_s"].items() if r not in ("prefill", "relay", "main")))
+                print("  engine steps in the measured phase (sim): " + ", ".join(
+                    f"{r} {n} steps, {s:.1f} s alone" for r, (n, s) in pm.get("steps", {}).items()))
+    if args.requests:
+        for m in modes:
+            print(f"\n{m}:\n" + format_requests(details[m]))
+    if args.json:
+        result = {"predicted": predicted, "rows": rows, "requests": details, "agreement": agree,
+                  "calibration": cals[0] if len(cals) == 1 else cals, "wan": wan.__dict__}
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=1, default=str)
+        except OSError as e:
+            raise UserError(f"cannot write {args.json}: {e.strerror}.") from None
+    return 0
+
+
+def _sentence(msg: str) -> str:
+    return msg if msg.endswith(".") else msg + "."
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
