@@ -13,7 +13,7 @@ import pytest
 
 from pddjax.engines.paged_engine import EngineConfig, PagedEngine
 from pddjax.engines.reference import ReferenceEngine
-from pddjax.model.sampling import SamplingParams
+from pddjax.model.sampling_params import SamplingParams
 from serving import rpc
 from serving.engine.decode import DecodeService
 from serving.kvwire import chunks
@@ -72,7 +72,7 @@ def test_several_handoffs_run_in_one_md_step_with_decode_rows(tiny):
                 # d0 decodes at once (pd-cross style); h* wait for RLD's token IDs (pdd)
                 known = [want[k][0]] if k == "d0" else []
                 await svc.PushKV(aiter(chunks(k, runs[k], 0, known, 4096)), Ctx())
-            slots = dict(svc.slots)  # a slot leaves svc.slots once its stream is closed
+            slots = {s.request_id: s for s in svc.slots}  # a slot leaves svc.slots once its stream is closed
             # let d0 decode a little, then hold the engine thread while the handoffs arrive
             while len(md_engine.seqs["d0"].generated) < 3:
                 await asyncio.sleep(0.01)

@@ -18,6 +18,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pddjax.policy import PolicyConfig
+
+_POLICY = PolicyConfig()  # the router's defaults, where the simulator shares them
+
 MODES = ("pdd", "pd-cross", "pd-local")
 
 
@@ -85,18 +89,19 @@ class ClusterConfig:
     fast_gbps: float = 400.0  # intra-datacenter RDMA per sending instance
     fast_latency_s: float = 10e-6
     handoff: str = "chunked"  # "chunked" (extend-decode handoff) or "oneshot"
-    chunk_threshold: int = 64
+    chunk_threshold: int = _POLICY.handoff_threshold
     batch_extend: bool = True  # extend chunks ride in decode steps (False: passes of their own)
-    rld_threshold_s: float = 0.5  # use RLD when the KV is predicted to reach MD later than this
+    rld_threshold_s: float = _POLICY.ttft_budget_s  # use RLD when the KV is predicted to reach MD later than this
     singular_filter: bool = True  # finish on RLD if it would be done before the KV reaches MD
     rld_normal_path: bool = False  # drift experiment: low-hit requests end on RLD (P-RLD)
     drc: bool = True  # decode side keeps a prefix cache (DRC)
     tpot_target_s: float = 0.05  # decode batch is capped so a step fits this
     seed: int = 0
     # The router's policy (pddjax.policy): rld_threshold_s is its TTFT budget.
-    filter_cap: float = 1.0  # share of recent decisions the singular filter may take (router: 0.05)
-    filter_window: int = 200
-    drift_tolerance: float = float("inf")  # sessions lagging more on MD are never filtered (router: 0.2)
+    # filter_cap and drift_tolerance default off here (the paper's setting); the router's are _POLICY's.
+    filter_cap: float = 1.0  # share of recent decisions the singular filter may take
+    filter_window: int = _POLICY.filter_window
+    drift_tolerance: float = float("inf")  # sessions lagging more on MD are never filtered
     rld_prior_tokens_per_s: float | None = None  # RLD speed before the first measurement (None: profile)
     wan_prior_gbps: float | None = None  # link throughput before the first transfer (None: the line's)
     cancel_late_transfers: bool = True  # RLD finished first: cancel the WAN push (router: let it finish)

@@ -6,21 +6,19 @@
                retried when its connection breaks or its answer is lost.
   HandoffTokens (MD) append RLD's tokens and extend-decode them; a non-final chunk is
                acknowledged once MD has caught up on it; on the final one MD emits from N on.
-               Applied once per (request, chunk_seq | final): the dedupe table `self.handoffs`
+               Applied once per (request, chunk_seq | final): the table of applied chunks
                outlives the slot, and MD answers a repeat like the first.
-
-A mixin of DecodeService (decode_service.py): the service provides `self.role`, `self.worker`
-(EngineWorker), `self.slots` (request id -> Slot), `self.channels` (address -> grpc.aio.Channel),
-`self.handoffs` (OrderedDict: (request, chunk_seq | "final") -> ((start, n, tokens' crc), ack
-future)), and the engine-thread helpers `_touch`, `_close` and `_emit_held`."""
+"""
 
 from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import os
 import sys
 import zlib
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -28,16 +26,31 @@ from serving import rpc
 from serving.engine.slot import RpcFailure, resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
 
+if TYPE_CHECKING:
+    from serving.engine.slot import SlotTable
+    from serving.engine.worker import EngineWorker
+
 HANDOFF_TIMEOUT_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_TIMEOUT_SECONDS", "10"))  # per HandoffTokens try
 HANDOFF_RETRY_WAITS = (0.2, 0.5, 1.0)  # before each retry of the same chunk (MD applies it once)
 HANDOFFS_REMEMBERED = 10000  # MD: applied handoff chunks (a retry is answered, never applied twice)
 
 
-class DecodeHandoff:
-    async def Handoff(self, request, context):
+class Handoff:
+    """Both ends of the handoff for one Decode service: `handoff` (on RLD) and `handoff_tokens`
+    (on MD), for the requests reserved in `slots`, through `worker`. `role` names this service
+    in log lines and error messages."""
+
+    def __init__(self, role: str, worker: EngineWorker, slots: SlotTable):
+        self.role, self.worker, self.slots = role, worker, slots
+        self.channels: dict[str, grpc.aio.Channel] = {}  # RLD: MD's address -> channel
+        # MD: (request, chunk_seq | "final") -> ((start, n, tokens' crc), ack future); outlives
+        # the slot, so a retry whose answer was lost is answered even after the request finished here
+        self.applied: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+
+    async def handoff(self, request, context) -> cluster_pb2.HandoffResponse:
         """RLD: hand the request's token IDs to MD (one-shot or chunked), then stop."""
         rid = request.request_id
-        self._touch(rid)
+        self.slots.touch(rid)
         slot = self.slots.get(rid)
         if slot is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
@@ -45,7 +58,7 @@ class DecodeHandoff:
         await slot.decoding.wait()
         ch = self.channels.get(request.main_address) or rpc.channel(request.main_address, rpc.PEER_CHANNEL_OPTIONS)
         self.channels[request.main_address] = ch
-        md = cluster_pb2_grpc.DecodeStub(ch)
+        main = cluster_pb2_grpc.DecodeStub(ch)
         chunked = request.mode == common_pb2.HANDOFF_MODE_CHUNKED
         threshold = request.threshold or 64
         sent, chunks = 0, 0
@@ -54,7 +67,7 @@ class DecodeHandoff:
             if toks is None:  # RLD finished first
                 return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
             if chunked and len(toks) - sent > threshold:
-                await self._send_tokens(md, cluster_pb2.HandoffTokensRequest(
+                await self._send_tokens(main, cluster_pb2.HandoffTokensRequest(
                     request_id=rid, start_position=sent, token_ids=toks[sent:], final=False, chunk_seq=chunks))
                 sent, chunks = len(toks), chunks + 1
                 continue
@@ -62,21 +75,22 @@ class DecodeHandoff:
             if toks is None:
                 return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
             try:
-                await self._send_tokens(md, cluster_pb2.HandoffTokensRequest(
+                await self._send_tokens(main, cluster_pb2.HandoffTokensRequest(
                     request_id=rid, start_position=sent, token_ids=toks[sent:], final=True, chunk_seq=chunks))
             except BaseException:
                 self.worker.run_soon(_resume, rid)  # MD failed (or we were cancelled): RLD finishes the request
                 raise
             await self.worker.call(self._handed_off, rid, len(toks))
-            return cluster_pb2.HandoffResponse(handed_off=True, handed_off_at=len(toks), chunks=chunks + 1, tokens=len(toks))
+            return cluster_pb2.HandoffResponse(handed_off=True, handed_off_at=len(toks), chunks=chunks + 1,
+                                               tokens=len(toks))
 
-    async def _send_tokens(self, md, req) -> None:
+    async def _send_tokens(self, main: cluster_pb2_grpc.DecodeStub, req) -> None:
         """RLD: one HandoffTokens, retried when the connection breaks or the answer is lost
         (UNAVAILABLE, DEADLINE_EXCEEDED): MD keys it by (request, chunk_seq | final) and applies
         it once, answering a retry with the first attempt's acknowledgement."""
         for wait in (*HANDOFF_RETRY_WAITS, None):
             try:
-                await md.HandoffTokens(req, timeout=HANDOFF_TIMEOUT_SECONDS)
+                await main.HandoffTokens(req, timeout=HANDOFF_TIMEOUT_SECONDS)
                 return
             except grpc.aio.AioRpcError as e:
                 if wait is None or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -89,16 +103,16 @@ class DecodeHandoff:
         """Engine thread (RLD): MD took over at output position n; end the stream and release."""
         slot = self.slots.get(rid)
         if slot is not None:
-            self._close(slot, cluster_pb2.TokenBatch(start_position=n, handed_off=True, handed_off_at=n))
+            self.slots.close(slot, cluster_pb2.TokenBatch(start_position=n, handed_off=True, handed_off_at=n))
 
-    async def HandoffTokens(self, request, context):
+    async def handoff_tokens(self, request, context) -> cluster_pb2.HandoffTokensResponse:
         """MD: append RLD's token IDs (extend-decode them); ack a chunk once caught up."""
         rid = request.request_id
-        self._touch(rid)
+        self.slots.touch(rid)
         key = (rid, "final" if request.final else request.chunk_seq)
         sig = (request.start_position, len(request.token_ids), zlib.crc32(array.array("I", request.token_ids)))
-        if key in self.handoffs:  # a retry whose answer was lost, or a duplicate: applied once only
-            first, prev = self.handoffs[key]
+        if key in self.applied:  # a retry whose answer was lost, or a duplicate: applied once only
+            first, prev = self.applied[key]
             if first != sig:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"handoff {key[1]} of {rid} was already applied with other tokens")
@@ -109,9 +123,9 @@ class DecodeHandoff:
         if rid not in self.slots:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
         fut = asyncio.get_running_loop().create_future()
-        self.handoffs[key] = (sig, fut)
-        while len(self.handoffs) > HANDOFFS_REMEMBERED:
-            self.handoffs.popitem(last=False)
+        self.applied[key] = (sig, fut)
+        while len(self.applied) > HANDOFFS_REMEMBERED:
+            self.applied.popitem(last=False)
 
         def apply(e):
             seq, slot = e.seqs.get(rid), self.slots.get(rid)
@@ -132,7 +146,7 @@ class DecodeHandoff:
             end = start + len(toks)
             if request.final:
                 slot.emit_from = end
-                self._emit_held(slot)
+                self.slots.emit_held(slot)
                 fut.get_loop().call_soon_threadsafe(resolve, fut, min(seq.pages.num_tokens - len(seq.prompt), end))
             elif seq.pages.num_tokens >= len(seq.prompt) + end or seq.finish_reason:
                 fut.get_loop().call_soon_threadsafe(resolve, fut, end)
@@ -144,7 +158,7 @@ class DecodeHandoff:
         except (KeyError, ValueError) as e:
             failure = (RpcFailure(grpc.StatusCode.NOT_FOUND, f"request {rid} is no longer on {self.role}")
                        if isinstance(e, KeyError) else RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
-            self.handoffs.pop(key, None)
+            self.applied.pop(key, None)
             resolve(fut, failure)  # a duplicate waiting on this attempt fails alike
             await context.abort(failure.code, failure.message)
         caught = await fut

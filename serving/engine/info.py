@@ -1,13 +1,19 @@
 """RPCs every engine service (P, RLD, MD) answers the same way: Info and MatchPrefix.
 
-A mixin: the service provides `self.worker` (EngineWorker), `self.engine` and `self.info`
-(the static ServiceInfo fields)."""
+Plain functions: a service's `Info` and `MatchPrefix` pass them its engine worker and what
+they read (the static ServiceInfo fields, the engine's page size).
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import grpc
 
 from serving.pb import cluster_pb2
+
+if TYPE_CHECKING:
+    from serving.engine.worker import EngineWorker
 
 
 def engine_info(e) -> tuple[int, int, str]:
@@ -20,16 +26,17 @@ def engine_info(e) -> tuple[int, int, str]:
     return e.num_pages_active, len(e.seqs), err
 
 
-class EngineRpcs:
-    async def Info(self, request, context):
-        pages, n, err = await self.worker.call(engine_info)
-        return cluster_pb2.ServiceInfo(**self.info, pages_active=pages, requests=n, integrity_error=err)
+async def service_info(worker: EngineWorker, fields: dict) -> cluster_pb2.ServiceInfo:
+    """Info: the static `fields` (role, model, page size...) and the engine's occupancy now."""
+    pages, n, err = await worker.call(engine_info)
+    return cluster_pb2.ServiceInfo(**fields, pages_active=pages, requests=n, integrity_error=err)
 
-    async def MatchPrefix(self, request, context):
-        """How many leading pages of a prompt this engine's prefix cache holds, by chained hashes."""
-        S = self.engine.config.page_size
-        if request.page_size != S:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"page hashes must be computed at page size {S}, got {request.page_size}")
-        pages = await self.worker.call(lambda e: e.prefix_hit_by_hashes(list(request.page_hashes)))
-        return cluster_pb2.MatchPrefixResponse(matched_pages=pages, matched_tokens=pages * S, page_size=S)
+
+async def match_prefix(worker: EngineWorker, page_size: int, request, context) -> cluster_pb2.MatchPrefixResponse:
+    """MatchPrefix: how many leading pages of a prompt the engine's prefix cache holds, by chained hashes."""
+    S = page_size
+    if request.page_size != S:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"page hashes must be computed at page size {S}, got {request.page_size}")
+    pages = await worker.call(lambda e: e.prefix_hit_by_hashes(list(request.page_hashes)))
+    return cluster_pb2.MatchPrefixResponse(matched_pages=pages, matched_tokens=pages * S, page_size=S)

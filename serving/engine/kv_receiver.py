@@ -4,14 +4,12 @@ Chunks land in the pool as they arrive (P streams them while still prefilling); 
 coalesced. On the last chunk the known tokens (P's first token) are appended and decoding
 starts (RLD; MD in pd-cross); with none, the sequence stays paused for RLD's handoff (MD in pdd).
 A chunk for a request that is not reserved here is NOT_FOUND, or ABORTED after a cancel.
-
-A mixin of DecodeService (decode_service.py): the service provides `self.role`, `self.engine`,
-`self.worker` (EngineWorker), `self.slots` (request id -> Slot), `self.cancelled` (tombstones),
-and the helpers `_touch`, `_fail` and `_emit_held`."""
+"""
 
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -19,13 +17,24 @@ from pddjax.kv.canonical import KVImportError
 from serving.kvwire import Assembler, WireError
 from serving.pb import cluster_pb2
 
+if TYPE_CHECKING:
+    from serving.engine.slot import SlotTable
+    from serving.engine.worker import EngineWorker
 
-class DecodeKV:
-    async def PushKV(self, request_iterator, context):
+
+class KVReceiver:
+    """PushKV of one Decode service: writes the KV of the requests reserved in `slots` into the
+    engine's pool through `worker`. `fingerprint` is the model's (a chunk of another model's KV
+    is refused); `role` names this service in error messages."""
+
+    def __init__(self, role: str, fingerprint: str, worker: EngineWorker, slots: SlotTable):
+        self.role, self.fingerprint, self.worker, self.slots = role, fingerprint, worker, slots
+
+    async def push(self, request_iterator, context) -> cluster_pb2.PushKVResponse:
         """Chunks are read as they come; imports are coalesced: while one import waits for the
         engine thread (a step in flight), the chunks that arrive meanwhile are imported together
         by the next call, so a long push costs a few engine calls, not one per chunk."""
-        asm, rid, imported = Assembler(self.engine.fingerprint), None, 0
+        asm, rid, imported = Assembler(self.fingerprint), None, 0
         batch: list = []  # KV runs assembled, not yet handed to the engine thread
         pending = None  # the import in flight (a task)
 
@@ -42,7 +51,7 @@ class DecodeKV:
         try:
             async for chunk in request_iterator:
                 rid = rid or chunk.request_id
-                self._touch(rid)
+                self.slots.touch(rid)
                 if rid not in self.slots:
                     raise self._gone(rid)
                 run = asm.feed(chunk)
@@ -54,17 +63,18 @@ class DecodeKV:
                         await settle(wait=True)
                     if not await self.worker.call(self._kv_complete, rid, list(chunk.known_tokens)):
                         raise self._gone(rid)
-                    return cluster_pb2.PushKVResponse(tokens_imported=imported, bytes_received=asm.bytes, chunks=asm.next_seq)
+                    return cluster_pb2.PushKVResponse(tokens_imported=imported, bytes_received=asm.bytes,
+                                                      chunks=asm.next_seq)
         except (WireError, KVImportError) as e:
             code = e.code_name if isinstance(e, WireError) else "FAILED_PRECONDITION"
             if rid in self.slots and code not in ("NOT_FOUND", "ABORTED"):  # never decoded: drop it
-                await self.worker.call(self._fail, rid, getattr(grpc.StatusCode, code), str(e))
+                await self.worker.call(self.slots.fail, rid, getattr(grpc.StatusCode, code), str(e))
             await context.abort(getattr(grpc.StatusCode, code), str(e))
         await context.abort(grpc.StatusCode.DATA_LOSS, f"KV stream for {rid} ended before its last chunk")
 
     def _gone(self, rid) -> WireError:
         """A chunk for a request that is not (or no longer) here: late after a cancel, or unknown."""
-        if rid in self.cancelled:
+        if self.slots.was_cancelled(rid):
             return WireError("ABORTED", f"request {rid} was released on {self.role}; its KV is dropped")
         return WireError("NOT_FOUND", f"request {rid} is not reserved on {self.role}")
 
@@ -89,7 +99,7 @@ class DecodeKV:
             seq.paused = False
             slot.emit_from = 0
             self.worker.post(slot.decoding.set)
-            self._emit_held(slot)
+            self.slots.emit_held(slot)
         return True
 
 

@@ -21,25 +21,32 @@ import asyncio
 import dataclasses
 import os
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 
 from pddjax.kv.allocator import OutOfPages
 from serving import kvwire, rpc
-from serving.engine.info import EngineRpcs
+from serving.engine.info import match_prefix, service_info
 from serving.engine.worker import EngineWorker
 from serving.pb import cluster_pb2, cluster_pb2_grpc
 
+if TYPE_CHECKING:
+    from pddjax.engines.paged_engine import PagedEngine
+    from pddjax.model.config import ModelConfig
 
-class PrefillService(EngineRpcs, cluster_pb2_grpc.PrefillServicer):
-    def __init__(self, engine, model_config, info: dict):
+
+class PrefillService(cluster_pb2_grpc.PrefillServicer):
+    """`info` holds the static ServiceInfo fields."""
+
+    def __init__(self, engine: PagedEngine, model_config: ModelConfig, info: dict):
         self.engine, self.cfg, self.info = engine, model_config, info
         self.progress: dict[str, _Progress] = {}  # requests still prefilling (engine thread)
         self.pushes: dict[str, list[asyncio.Task]] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.worker: EngineWorker | None = None
 
-    def start(self, loop) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.worker = EngineWorker(self.engine, loop, self._on_step, name="engine-prefill")
 
     async def Prefill(self, request, context):
@@ -194,6 +201,12 @@ class PrefillService(EngineRpcs, cluster_pb2_grpc.PrefillServicer):
 
         found = await self.worker.call(release)
         return cluster_pb2.ReleaseResponse(found=bool(tasks) or found)
+
+    async def Info(self, request, context):
+        return await service_info(self.worker, self.info)
+
+    async def MatchPrefix(self, request, context):
+        return await match_prefix(self.worker, self.engine.config.page_size, request, context)
 
 
 PUSH_STALL_SECONDS = float(os.environ.get("PDDJAX_PUSH_STALL_SECONDS", "30"))
