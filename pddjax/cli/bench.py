@@ -25,11 +25,11 @@ def register(sub) -> None:
     r.add_argument("--decode-tokens", type=int, default=64)
     r.add_argument("--json", help="also write the figures to this file")
     r.set_defaults(func=run_reference)
-    import importlib.util
+    from pddjax.cli import bench_engine
+    from serving.bench import handoff, serve
 
-    for name in ("pddjax.engines.bench_engine", "serving.bench.handoff", "serving.bench.serve"):
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name).register(bsub)
+    for module in (bench_engine, handoff, serve):
+        module.register(bsub)
 
 
 def run_reference(args) -> int:

@@ -44,8 +44,8 @@ from serving import rpc
 from serving.engine.handoff import Handoff
 from serving.engine.info import match_prefix, service_info
 from serving.engine.kv_receiver import KVReceiver
-from serving.engine.slot import RpcFailure, Slot, SlotTable, resolve
-from serving.engine.worker import EngineWorker
+from serving.engine.slot import RpcFailure, Slot, SlotTable
+from serving.engine.worker import EngineWorker, resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
 
 if TYPE_CHECKING:

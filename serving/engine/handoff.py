@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from serving import rpc
-from serving.engine.slot import RpcFailure, resolve
+from serving.engine.slot import RpcFailure
+from serving.engine.worker import resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
 
 if TYPE_CHECKING:

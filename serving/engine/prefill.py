@@ -28,7 +28,7 @@ import grpc
 from pddjax.kv.allocator import OutOfPages
 from serving import kvwire, rpc
 from serving.engine.info import match_prefix, service_info
-from serving.engine.worker import EngineWorker
+from serving.engine.worker import EngineWorker, fail, resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
             first = firsts.get(rid)
             self._export(self.engine, rid, st, first)  # KV streams out while prefill continues
             if first is not None:
-                self.worker.post(_resolve, st.first, first)
+                self.worker.post(resolve, st.first, first)
                 if st.queues:  # held for the targets until they acknowledge (Prefill's KV lease)
                     self.engine.cache_prefix(rid)  # P's cache serves this prompt at once meanwhile
                 else:
@@ -193,7 +193,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         def release(e) -> bool:
             st = self.progress.pop(rid, None)
             if st is not None:  # still prefilling: its Prefill call ends ABORTED
-                self.worker.post(_fail, st.first, _Released(f"request {rid} was released on prefill"))
+                self.worker.post(fail, st.first, _Released(f"request {rid} was released on prefill"))
             if rid not in e.seqs:
                 return False
             e.release(rid, cache=request.cache)
@@ -253,12 +253,4 @@ class _Progress:
     first: asyncio.Future
 
 
-def _resolve(fut, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _fail(fut, exc) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
 

@@ -3,7 +3,7 @@
 Slot: one reserved request. SlotTable: the slots by request id, the tombstones of cancelled
 ids, and the engine-thread helpers that feed and end a slot's stream; one per service, shared
 by the service (decode.py), its KV receiver (kv_receiver.py) and its handoff (handoff.py).
-RpcFailure: the status a stream or a waiting RPC ends with. `resolve` sets a future once.
+RpcFailure: the status a stream or a waiting RPC ends with.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from serving import rpc
+from serving.engine.worker import resolve
 from serving.pb import cluster_pb2
 
 if TYPE_CHECKING:
@@ -46,12 +47,6 @@ class RpcFailure:
     """How a Decode stream (or a HandoffTokens waiting on its ack) ends: aborted with this status."""
     code: grpc.StatusCode
     message: str
-
-
-def resolve(fut: asyncio.Future, value) -> None:
-    """Event-loop thread: set a future's result unless it is already done."""
-    if not fut.done():
-        fut.set_result(value)
 
 
 class SlotTable:

@@ -113,3 +113,15 @@ class EngineWorker:
                 "pages_total": alloc.capacity if alloc else 0, "sequences": len(e.seqs), "steps": self.steps,
                 "queue_depth": self._q.qsize(), "compiles": compile_count() + compiled_variants(),
                 "executables": resident_count() + compiled_variants()}
+
+
+def resolve(fut: asyncio.Future, value) -> None:
+    """Event-loop thread: set a future's result unless it is already done."""
+    if not fut.done():
+        fut.set_result(value)
+
+
+def fail(fut: asyncio.Future, exc: BaseException) -> None:
+    """Event-loop thread: set a future's exception unless it is already done."""
+    if not fut.done():
+        fut.set_exception(exc)
