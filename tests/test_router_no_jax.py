@@ -25,14 +25,16 @@ from serving.client import make_request
 from serving.stack.server import serve
 
 
+async def unavailable(self, request, context):
+    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake peer: no engine here")
+
+
 class FakePrefill(cluster_pb2_grpc.PrefillServicer):
-    async def MatchPrefix(self, request, context):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "fake prefill peer")
+    Info = MatchPrefix = Release = unavailable
 
 
 class FakeDecode(cluster_pb2_grpc.DecodeServicer):
-    async def MatchPrefix(self, request, context):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode peer")
+    Info = MatchPrefix = Reserve = Handoff = HandoffTokens = Release = unavailable
 
 
 async def peer(servicer, add):

@@ -131,7 +131,7 @@ def run_trace(sync: bool, guard: bool, cap: float = 0.05, turns: int = 12, sessi
     tracker, window = policy.SessionTracker(), policy.FilterWindow(cfg.filter_window)
     held_p, held_md = {}, {}
     hit_p = hit_md = total = filtered = 0
-    for turn in range(turns):
+    for _ in range(turns):
         for s in range(sessions):
             sid = f"s{s}"
             ctx = held_p.get(sid, 0)

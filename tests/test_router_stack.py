@@ -110,7 +110,8 @@ class Trace:
             self.pipelines.append(r.pipeline)
             if r.pipeline == "pd-local":  # filtered: wait for the background sync of its context to MD
                 n = self.pipelines.count("pd-local")
-                wait_for(lambda: stats(self.router)["counters"].get("sync_main.done", 0) >= n, "context sync to MD")
+                wait_for(lambda n=n: stats(self.router)["counters"].get("sync_main.done", 0) >= n,
+                         "context sync to MD")
             self.context[sid] = p + r.token_ids
         self.turn += 1
 

@@ -88,7 +88,8 @@ def test_cancel_30_of_100_every_tier_idle_after(cancelled_run):
 
 def pages_active_gauge(url: str) -> float:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("pddjax_kv_pages_active "))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pddjax_kv_pages_active "))
 
 
 def assert_gauges_zero(stack, timeout: float) -> None:

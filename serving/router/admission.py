@@ -66,14 +66,6 @@ class Admission:
     def queued(self) -> int:
         return sum(not f.done() for f in self.waiters)
 
-    @contextlib.asynccontextmanager
-    async def slot(self, deadline: Deadline):
-        await self.enter(deadline)
-        try:
-            yield
-        finally:
-            self.leave()
-
     async def enter(self, deadline: Deadline) -> None:
         if self.inflight < self.max_inflight and not self.queued:
             self.inflight += 1

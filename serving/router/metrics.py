@@ -14,7 +14,8 @@
   pddjax_router_wan_bytes_total                 KV bytes A -> B (P's transfer_done to MD, background syncs too)
   pddjax_router_requests_completed_total{pipeline}
 
-The router calls these hooks only; nothing here touches a request's state.
+The router calls these hooks only; nothing here touches a request's state. The metrics live on
+their own registry until `attach` adds them to the service's (one object for the router's life).
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ class RouterMetrics:
         if admission is not None:  # read at scrape time
             self.inflight.set_function(lambda: admission.inflight)
             self.queue_depth.set_function(lambda: admission.queued)
+
+    def attach(self, registry: CollectorRegistry) -> None:
+        """The same collectors join `registry` too (the service's, served on its /metrics)."""
+        for c in (self.ttft, self.itl, self.inflight, self.queue_depth, self.pipelines, self.handoffs, self.failures,
+                  self.wan, self.completed):
+            registry.register(c)
+        self.registry = registry
 
     # ---- hooks ---------------------------------------------------------------------------
     def chosen(self, pipeline: str, reason: str) -> None:

@@ -2,10 +2,12 @@
 
 A Pool holds one role's instances. `pick` answers the healthy instance to use: the preferred
 one (the session's) when it is healthy and not excluded (MD: `sticky`), else the least loaded
-(in-flight requests through this router, then pages the instance reported), ties broken by
-preference and then by rotation. An instance that fails its grpc.health.v1 check, or answers
-UNAVAILABLE, leaves the rotation; it comes back once a check answers SERVING.
+(in-flight requests through this router), ties broken by preference and then by rotation.
+An instance that fails its grpc.health.v1 check, or answers UNAVAILABLE, leaves the rotation;
+it comes back once a check answers SERVING.
 `Affinity` remembers, per session, the instance that holds its context (bounded, LRU).
+Talking to an instance: `stub` (Prefill or Decode, by role), `info` (its ServiceInfo, asked
+once) and `kv_bytes_per_token` (from P's info: what one prompt token's KV weighs on the wire).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving import rpc
+from serving.pb import cluster_pb2, cluster_pb2_grpc
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def channel(address: str) -> grpc.aio.Channel:
@@ -37,13 +42,8 @@ class Instance:
     kv_address: str = ""  # how peers reach it with KV and handoffs (MD: through the WAN link)
     healthy: bool = True
     inflight: int = 0  # requests through this router now
-    pages_active: int = 0  # as the instance last reported (Info)
     info: object = None  # ServiceInfo, fetched once
     channel: object = None
-
-    @property
-    def load(self) -> tuple[int, int]:
-        return self.inflight, self.pages_active
 
 
 class Pool:
@@ -66,8 +66,8 @@ class Pool:
         pref = self.get(prefer) if prefer else None
         if sticky and pref in live:
             return pref
-        turn = next(self._turn)
-        return min(live, key=lambda i: (i.load, i is not pref, (self.instances.index(i) - turn) % len(self.instances)))
+        turn, n = next(self._turn), len(self.instances)
+        return min(live, key=lambda i: (i.inflight, i is not pref, (self.instances.index(i) - turn) % n))
 
 
 class Affinity:
@@ -87,6 +87,22 @@ class Affinity:
         self.map[sid] = address
         while len(self.map) > self.size:
             self.map.popitem(last=False)
+
+
+def stub(inst: Instance):
+    return (cluster_pb2_grpc.PrefillStub if inst.role == "prefill" else cluster_pb2_grpc.DecodeStub)(inst.channel)
+
+
+async def info(inst: Instance) -> cluster_pb2.ServiceInfo:
+    if inst.info is None:
+        inst.info = await stub(inst).Info(cluster_pb2.InfoRequest(), timeout=30)
+    return inst.info
+
+
+async def kv_bytes_per_token(inst: Instance) -> int:
+    """K and V of every layer for one token, in the instance's dtype."""
+    i = await info(inst)
+    return 2 * i.num_layers * i.num_kv_heads * i.head_dim * _ITEMSIZE.get(i.dtype, 4)
 
 
 async def check(inst: Instance, timeout: float) -> bool:

@@ -1,4 +1,5 @@
 """How the router carries a request past a tier that fails mid-request (issue 8, transfer faults).
+Each function is passed the request and the collaborators it touches (counters, P's pool).
 
 - P fails (UNAVAILABLE: killed, draining) while prefilling or pushing: `next_prefill` takes it
   out of the rotation and picks another healthy P; the router sends that P the same Prefill with
@@ -23,81 +24,84 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import grpc
 
 from serving.pb import cluster_pb2
 from serving.router import pools
-from serving.router.request import _Abort
+from serving.router.request import Abort, Request
+
+if TYPE_CHECKING:
+    import collections
 
 
-def next_prefill(router, failed, error: grpc.aio.AioRpcError, st):
-    """P `failed` broke off a Prefill: -> another healthy P instance, or None (not retryable, or
-    none left)."""
+def next_prefill(pool: pools.Pool, counters: collections.Counter, r: Request, failed: pools.Instance,
+                 error: grpc.aio.AioRpcError) -> pools.Instance | None:
+    """P `failed` broke off a Prefill: -> another healthy P instance of `pool`, or None (not
+    retryable, or none left)."""
     if error.code() != grpc.StatusCode.UNAVAILABLE:
         return None
-    pools.set_health(failed, False, router.counters)
-    st.p_tried.append(failed)
+    pools.set_health(failed, False, counters)
+    r.prefill_tried.append(failed)
     try:
-        nxt = router.pools["prefill"].pick(exclude=st.p_tried)
+        nxt = pool.pick(exclude=r.prefill_tried)
     except pools.NoInstance:
         return None
-    router.counters["retry.prefill"] += 1
-    st.p_extra.append(nxt)
-    if not st.finished:  # the replacement now carries this request's load (released with the rest)
-        nxt.inflight += 1
-        st.held.append(nxt)
+    counters["retry.prefill"] += 1
+    r.prefill_extra.append(nxt)
+    r.hold(nxt)  # the replacement now carries this request's load (unless it settled)
     print(f"router: P {failed.address} failed ({error.code().name}); prefill retried on {nxt.address}",
           file=sys.stderr, flush=True)
     return nxt
 
 
-def main_transfer(router, md, st, code: grpc.StatusCode | None, message: str = "") -> None:
+def main_transfer(counters: collections.Counter, r: Request, code: grpc.StatusCode | None, message: str = "") -> None:
     """P reported MD's KV transfer: delivered (code None) or failed."""
-    st.md_kv_ok = code is None
-    st.md_kv.set()
-    if code is None or md is None:
+    r.main_kv_ok = code is None
+    r.main_kv.set()
+    if code is None or r.main is None:
         return
-    router.counters[f"transfer_failed.main.{code.name}"] += 1
-    print(f"router: KV to MD {md.address} failed ({code.name}: {message})", file=sys.stderr, flush=True)
+    counters[f"transfer_failed.main.{code.name}"] += 1
+    print(f"router: KV to MD {r.main.address} failed ({code.name}: {message})", file=sys.stderr, flush=True)
     if code == grpc.StatusCode.UNAVAILABLE:
-        pools.set_health(md, False, router.counters)
+        pools.set_health(r.main, False, counters)
 
 
-async def take_over(router, rid: str, md, st, seen: list[int]):
+async def take_over(counters: collections.Counter, r: Request, seen: list[int]):
     """RLD is gone (pdd): -> a TokenBatch that hands the stream to MD, or a sentence on why MD
     cannot take over."""
-    if md is None or st.relay_lost:
+    if r.main is None or r.relay_lost:
         return "no MD to take over"
-    st.relay_lost = True  # no RLD handoff from now on
-    router.counters["relay_lost"] += 1
-    await st.md_kv.wait()
-    if not st.md_kv_ok or st.first_token is None:
+    r.relay_lost = True  # no RLD handoff from now on
+    counters["relay_lost"] += 1
+    await r.main_kv.wait()
+    if not r.main_kv_ok or r.first_token is None:
         return "MD cannot take over: its KV did not arrive"
-    toks = list(seen) or [st.first_token]
+    toks = list(seen) or [r.first_token]
     try:
-        await router._stub(md).HandoffTokens(cluster_pb2.HandoffTokensRequest(
-            request_id=rid, start_position=0, token_ids=toks, final=True), timeout=st.deadline.timeout(30))
+        await pools.stub(r.main).HandoffTokens(cluster_pb2.HandoffTokensRequest(
+            request_id=r.rid, start_position=0, token_ids=toks, final=True), timeout=r.deadline.timeout(30))
     except grpc.aio.AioRpcError as e:
         return f"MD cannot take over: {e.details() or e.code().name}"
-    router.counters["main_took_over"] += 1
-    print(f"router: {rid}: RLD lost after {len(seen)} tokens; MD {md.address} took over", file=sys.stderr,
+    counters["main_took_over"] += 1
+    print(f"router: {r.rid}: RLD lost after {len(seen)} tokens; MD {r.main.address} took over", file=sys.stderr,
           flush=True)
     return cluster_pb2.TokenBatch(start_position=len(seen), token_ids=toks[len(seen):], handed_off=True,
                                   handed_off_at=len(toks))
 
 
-async def relay_kv_failed(router, rid: str, md, st, err, relay_q) -> None:
+async def relay_kv_failed(counters: collections.Counter, r: Request, err: Abort) -> None:
     """P reported that RLD's KV did not arrive (pdd): MD takes over from P's first token, or
     the push's error stands. RLD's Decode stream is no longer forwarded (the router releases
     RLD when the request ends)."""
-    if st.relay_lost:  # RLD's stream broke first: its on_error is taking over already
+    if r.relay_lost:  # RLD's stream broke first: its on_error is taking over already
         return
-    if st.relay_pump is not None:
-        st.relay_pump.cancel()  # not inside take_over (relay_lost would be set): safe to cancel
-    router.counters[f"relay_kv_failed.{err.code.name}"] += 1
-    print(f"router: {rid}: KV to RLD failed ({err.code.name}: {err.message}); MD takes over", file=sys.stderr,
+    if r.relay_pump is not None:
+        r.relay_pump.cancel()  # not inside take_over (relay_lost would be set): safe to cancel
+    counters[f"relay_kv_failed.{err.code.name}"] += 1
+    print(f"router: {r.rid}: KV to RLD failed ({err.code.name}: {err.message}); MD takes over", file=sys.stderr,
           flush=True)
-    got = await take_over(router, rid, md, st, [])
-    relay_q.put_nowait(got if isinstance(got, cluster_pb2.TokenBatch)
-                       else _Abort(err.code, f"{err.message}; {got}", err.stage))
+    got = await take_over(counters, r, [])
+    r.relay_out.put_nowait(got if isinstance(got, cluster_pb2.TokenBatch)
+                           else Abort(err.code, f"{err.message}; {got}", err.stage))

@@ -1,35 +1,175 @@
-"""The router's transfers (a mixin of `RouterService`): P's events for a request (KV
-delivered to RLD / MD, a failed P replaced, MD's KV landing -> RLD's handoff), MD taking over
-when RLD's stream breaks, the background context sync of a filtered turn, and the release of
-every tier a request touched."""
+"""The router's transfers for one request (`Transfers`, passed the settings, P's pool, the
+estimates, the counters and the metrics):
+
+  - `open`: the Decode streams of RLD and MD (pumped into the request's queues; pdd's RLD
+    stream, if it breaks, is taken over by MD), and P's Prefill with its KV targets (RLD from
+    its own prefix hit, with the first token; MD from its DRC hit), MD's bytes booked on its
+    link estimate;
+  - `_prefill`: P's events: what it cached and its first token, each target's transfer done or
+    failed (`recovery`: a failed RLD push -> MD takes over, a failed MD push -> counted, RLD
+    finishes or pd-cross fails), MD's KV landing -> RLD's `_handoff` (pdd), a P that fails
+    mid-request replaced and only the KV that has not arrived pushed again;
+  - `release`: every tier the request touched, after (if the user's stream already ended) the
+    push that still fills MD's DRC, with the link booking settled;
+  - `sync_main`: a filtered turn's context pushed to MD afterwards, one sync at a time.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import grpc
 
-from serving.pb import cluster_pb2
-from serving.router import recovery as router_recovery
-from serving.router.request import _CODES, P, _Abort, _from_rpc
+from serving.pb import cluster_pb2, common_pb2
+from serving.router import pools, recovery
+from serving.router.request import CODES, Abort, Request, from_rpc
+from serving.router.stream import pump
+
+if TYPE_CHECKING:
+    import collections
+
+    from serving.config import RouterSettings
+    from serving.router.estimates import Estimates
+    from serving.router.metrics import RouterMetrics
+
+_REFUSED = grpc.StatusCode.FAILED_PRECONDITION.value[0]  # MD refuses this KV: never decode it anywhere
 
 
 class Transfers:
-    async def _sync_main(self, p_inst, md_inst, spec, context) -> None:
+    def __init__(self, settings: RouterSettings, prefill_pool: pools.Pool, estimates: Estimates,
+                 counters: collections.Counter, metrics: RouterMetrics):
+        self.chunk_bytes, self.handoff_threshold = settings.chunk_bytes, settings.handoff_threshold
+        self.background_timeout_s = settings.background_timeout_s
+        self.prefill_pool, self.estimates, self.counters, self.m = prefill_pool, estimates, counters, metrics
+        self._sync_lock = asyncio.Lock()  # background context syncs run one at a time (low priority)
+
+    async def open(self, r: Request) -> None:
+        """RLD's and MD's Decode streams, then P's Prefill pushing KV to both at once."""
+        decode = cluster_pb2.DecodeRequest(request_id=r.rid)
+        targets = []
+        if r.uses_relay:
+            call = pools.stub(r.relay).Decode(decode, timeout=r.deadline.timeout())
+            lost = self._relay_lost(r) if r.pipeline == common_pb2.PIPELINE_PDD else None
+            r.relay_pump = asyncio.create_task(pump(call, r.relay_out, "relay", lost))
+            r.tasks.append(r.relay_pump)
+            targets.append(cluster_pb2.KVTarget(address=r.relay.kv_address, start=r.cached_relay,
+                                                role=common_pb2.ROLE_RELAY, include_first_token=True))
+        if r.uses_main:
+            call = pools.stub(r.main).Decode(decode, timeout=r.deadline.timeout())
+            r.tasks.append(asyncio.create_task(pump(call, r.main_out, "main")))
+            targets.append(cluster_pb2.KVTarget(address=r.main.kv_address, start=r.cached_main,
+                                                role=common_pb2.ROLE_MAIN, include_first_token=not r.uses_relay))
+            r.link = self.estimates.link(r.main)
+            r.planned = (len(r.prompt) - r.cached_main) * await pools.kv_bytes_per_token(r.prefill)
+            r.link.start(r.planned)
+        preq = cluster_pb2.PrefillRequest(spec=r.spec, targets=targets, chunk_bytes=self.chunk_bytes)
+        r.prefill_task = asyncio.create_task(self._prefill(r, preq))
+        r.tasks.append(r.prefill_task)
+
+    async def _prefill(self, r: Request, preq: cluster_pb2.PrefillRequest) -> None:
+        """P's events for one request. A P that fails mid-request is replaced and only the KV
+        that has not arrived is pushed again (recovery.next_prefill)."""
+        prefill, reported = r.prefill, set()  # the P serving it now; roles whose transfer P reported
+        try:
+            while True:
+                try:
+                    async for ev in pools.stub(prefill).Prefill(preq, timeout=r.deadline.timeout()):
+                        if ev.HasField("prefilled"):
+                            r.cached_prefill, r.prefill_ms = ev.prefilled.num_cached, ev.prefilled.prefill_ms
+                            r.first_token = ev.prefilled.first_token
+                            continue
+                        reported.add(ev.transfer_done.role)
+                        self._transfer_done(r, ev.transfer_done)
+                    return
+                except grpc.aio.AioRpcError as e:
+                    left = [t for t in preq.targets if t.role not in reported]
+                    nxt = recovery.next_prefill(self.prefill_pool, self.counters, r, prefill, e) if left else None
+                    if nxt is None:
+                        for t in left:
+                            (r.relay_out if t.role == common_pb2.ROLE_RELAY else r.main_out).put_nowait(
+                                from_rpc(e, "prefill"))
+                        return
+                    prefill = nxt
+                    preq = cluster_pb2.PrefillRequest(spec=preq.spec, targets=left, chunk_bytes=preq.chunk_bytes)
+        finally:
+            r.main_kv.set()  # P reported nothing more: whoever waits for MD's KV stops (main_kv_ok stays)
+
+    def _transfer_done(self, r: Request, d: cluster_pb2.TransferDone) -> None:
+        err = Abort(CODES.get(d.code, grpc.StatusCode.UNKNOWN), d.error, "transfer") if d.code else None
+        pdd = r.pipeline == common_pb2.PIPELINE_PDD
+        if d.role == common_pb2.ROLE_RELAY:
+            r.bytes_relay = d.bytes
+            if err and pdd and r.main is not None and d.code != _REFUSED:
+                # RLD never got its KV (it decodes nothing without it): MD serves it all
+                r.tasks.append(asyncio.create_task(recovery.relay_kv_failed(self.counters, r, err)))
+            elif err:
+                r.relay_out.put_nowait(err)
+            return
+        r.bytes_main, r.main_kv_ms = d.bytes, d.ms
+        self.m.wan_bytes(d.bytes)
+        if r.link is not None:
+            r.link.done(r.planned, d.bytes, (d.wire_ms or d.ms) / 1e3, ok=not err)
+            r.link_done = True
+        recovery.main_transfer(self.counters, r, err and err.code, d.error)
+        if err and r.pipeline == common_pb2.PIPELINE_PD_CROSS:
+            r.main_out.put_nowait(err)
+        elif err and d.code == _REFUSED:
+            r.relay_out.put_nowait(err)  # MD refuses this KV: never decode it anywhere
+        elif not err and pdd and not r.finished and not r.relay_lost:
+            r.tasks.append(asyncio.create_task(self._handoff(r)))
+
+    def _relay_lost(self, r: Request):
+        """on_error of RLD's stream (pdd): MD takes the request over, or the error stands."""
+        async def on_error(err: Abort, seen: list[int]):
+            why = await recovery.take_over(self.counters, r, seen)
+            if isinstance(why, cluster_pb2.TokenBatch):
+                return why
+            return Abort(err.code, f"{err.message}; {why}", "relay")
+        return on_error
+
+    async def _handoff(self, r: Request) -> None:
+        try:
+            h = await pools.stub(r.relay).Handoff(cluster_pb2.HandoffRequest(
+                request_id=r.rid, main_address=r.main.kv_address, mode=r.mode, threshold=self.handoff_threshold),
+                timeout=r.deadline.timeout())
+            if h.handed_off:
+                r.handoff_tokens, r.handoff_chunks = h.tokens, h.chunks
+                self.m.handoff(h.chunks)
+                self.counters["handoff." + ("chunked" if h.chunks > 1 else "one-shot")] += 1
+        except grpc.aio.AioRpcError:
+            pass  # RLD keeps decoding and finishes the request itself
+
+    async def release(self, r: Request, pending: asyncio.Task | None = None) -> None:
+        """Releases every tier `r` touched (idempotent on theirs), after `pending` (P's push still
+        filling MD's DRC) finished or `background_timeout_s` passed."""
+        if pending is not None:
+            try:
+                await asyncio.wait_for(pending, timeout=self.background_timeout_s)
+            except (TimeoutError, asyncio.CancelledError):
+                pass
+        if r.link is not None and not r.link_done:
+            r.link.done(r.planned, 0, 0.0, ok=False)
+            r.link_done = True
+        req = cluster_pb2.ReleaseRequest(request_id=r.rid, cache=True, cancel=True)
+        await asyncio.gather(*(pools.stub(i).Release(req) for i in r.touched()), return_exceptions=True)
+
+    async def sync_main(self, r: Request) -> None:
         """A filtered (pd-local) turn of a session: push its context's KV to MD anyway, after the
         user's request finished and one sync at a time, so the session's next turn hits MD's DRC."""
         async with self._sync_lock:
-            rid = f"sync-{spec.request_id}"
-            sspec = cluster_pb2.SequenceSpec(request_id=rid, prompt=context, sampling=spec.sampling, max_tokens=1,
-                                             stop_token_ids=spec.stop_token_ids)
-            md, p, ok, link, planned = self._stub(md_inst), self._stub(p_inst), False, self._link(md_inst), 0
+            rid, context = f"sync-{r.rid}", r.prompt + r.tokens[:-1]
+            spec = cluster_pb2.SequenceSpec(request_id=rid, prompt=context, sampling=r.spec.sampling, max_tokens=1,
+                                            stop_token_ids=r.spec.stop_token_ids)
+            main, prefill = pools.stub(r.main_choice), pools.stub(r.prefill)
+            ok, link, planned = False, self.estimates.link(r.main_choice), 0
             try:
-                cached = (await md.Reserve(cluster_pb2.ReserveRequest(spec=sspec, use_cache=True))).cached_tokens
-                planned = (len(context) - cached) * await self._kv_bytes(p_inst)
+                cached = (await main.Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True))).cached_tokens
+                planned = (len(context) - cached) * await pools.kv_bytes_per_token(r.prefill)
                 link.start(planned)
-                target = cluster_pb2.KVTarget(address=md_inst.kv_address, start=cached, role=P.ROLE_MAIN)
-                async for ev in p.Prefill(cluster_pb2.PrefillRequest(spec=sspec, targets=[target],
-                                                                     chunk_bytes=self.s.chunk_bytes)):
+                target = cluster_pb2.KVTarget(address=r.main_choice.kv_address, start=cached, role=common_pb2.ROLE_MAIN)
+                async for ev in prefill.Prefill(cluster_pb2.PrefillRequest(spec=spec, targets=[target],
+                                                                           chunk_bytes=self.chunk_bytes)):
                     if ev.HasField("transfer_done"):
                         d = ev.transfer_done
                         self.m.wan_bytes(d.bytes)
@@ -42,88 +182,7 @@ class Transfers:
                 if planned:
                     link.done(planned, 0, 0.0, ok=False)
                 self.counters["sync_main." + ("done" if ok else "failed")] += 1
-                await asyncio.gather(md.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=ok, cancel=True)),
-                                     p.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=True, cancel=True)),
+                await asyncio.gather(main.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=ok, cancel=True)),
+                                     prefill.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=True,
+                                                                                cancel=True)),
                                      return_exceptions=True)
-
-    async def _prefill(self, p, rid, preq, pipeline, mode, st, relay_q, main_q, tasks, rld, md):
-        """P's events for one request (p: the P instance). A P that fails mid-request is replaced
-        and only the KV that has not arrived is pushed again (router_recovery)."""
-        reported: set = set()  # roles whose transfer P reported (delivered or failed)
-        try:
-            while True:
-                try:
-                    async for ev in self._stub(p).Prefill(preq, timeout=st.deadline.timeout()):
-                        if ev.HasField("prefilled"):
-                            st.cached_p, st.prefill_ms = ev.prefilled.num_cached, ev.prefilled.prefill_ms
-                            st.first_token = ev.prefilled.first_token
-                            continue
-                        d = ev.transfer_done
-                        err = _Abort(_CODES.get(d.code, grpc.StatusCode.UNKNOWN), d.error, "transfer") if d.code else None
-                        reported.add(d.role)
-                        if d.role == P.ROLE_RELAY:
-                            st.bytes_rld = d.bytes
-                            if err and pipeline == P.PIPELINE_PDD and md is not None \
-                                    and d.code != grpc.StatusCode.FAILED_PRECONDITION.value[0]:
-                                # RLD never got its KV (it decodes nothing without it): MD serves it all
-                                tasks.append(asyncio.create_task(router_recovery.relay_kv_failed(
-                                    self, rid, md, st, err, relay_q)))
-                            elif err:
-                                relay_q.put_nowait(err)
-                            continue
-                        st.bytes_md, st.md_ms = d.bytes, d.ms
-                        self.m.wan_bytes(d.bytes)
-                        if st.link is not None:
-                            st.link.done(st.planned, d.bytes, (d.wire_ms or d.ms) / 1e3, ok=not err)
-                            st.link_done = True
-                        router_recovery.main_transfer(self, md, st, err and err.code, d.error)
-                        if err and pipeline == P.PIPELINE_PD_CROSS:
-                            main_q.put_nowait(err)
-                        elif err and d.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
-                            relay_q.put_nowait(err)  # MD refuses this KV: never decode it anywhere
-                        elif not err and pipeline == P.PIPELINE_PDD and not st.finished and not st.relay_lost:
-                            tasks.append(asyncio.create_task(self._handoff(rld, md, rid, mode, st)))
-                    return
-                except grpc.aio.AioRpcError as e:
-                    left = [t for t in preq.targets if t.role not in reported]
-                    nxt = router_recovery.next_prefill(self, p, e, st) if left else None
-                    if nxt is None:
-                        for t in left:
-                            (relay_q if t.role == P.ROLE_RELAY else main_q).put_nowait(_from_rpc(e, "prefill"))
-                        return
-                    p, preq = nxt, cluster_pb2.PrefillRequest(spec=preq.spec, targets=left, chunk_bytes=preq.chunk_bytes)
-        finally:
-            if not st.md_kv.is_set():
-                router_recovery.main_transfer(self, None, st, grpc.StatusCode.UNAVAILABLE)
-
-    def _relay_lost(self, rid, md, st):
-        """on_error of RLD's stream (pdd): MD takes the request over, or the error stands."""
-        async def on_error(err, seen):
-            why = await router_recovery.take_over(self, rid, md, st, seen)
-            return why if isinstance(why, cluster_pb2.TokenBatch) else _Abort(err.code, f"{err.message}; {why}", "relay")
-        return on_error
-
-    async def _handoff(self, rld, md, rid, mode, st):
-        try:
-            r = await self._stub(rld).Handoff(cluster_pb2.HandoffRequest(
-                request_id=rid, main_address=md.kv_address, mode=mode, threshold=self.s.handoff_threshold),
-                timeout=st.deadline.timeout())
-            if r.handed_off:
-                st.handoff_tokens, st.handoff_chunks = r.tokens, r.chunks
-                self.m.handoff(r.chunks)
-                self.counters["handoff." + ("chunked" if r.chunks > 1 else "one-shot")] += 1
-        except grpc.aio.AioRpcError:
-            pass  # RLD keeps decoding and finishes the request itself
-
-    async def _release(self, rid, insts, pending=None, st=None):
-        if pending is not None:
-            try:
-                await asyncio.wait_for(pending, timeout=self.s.background_timeout_s)
-            except (TimeoutError, asyncio.CancelledError):
-                pass
-        if st is not None and st.link is not None and not st.link_done:
-            st.link.done(st.planned, 0, 0.0, ok=False)
-        if st is not None:  # a P that replaced a failed one
-            insts = list(insts) + [i for i in st.p_extra if i not in insts]
-        req = cluster_pb2.ReleaseRequest(request_id=rid, cache=True, cancel=True)
-        await asyncio.gather(*(self._stub(i).Release(req) for i in insts), return_exceptions=True)

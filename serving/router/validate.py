@@ -1,0 +1,66 @@
+"""A GenerateRequest read and checked before anything is reserved (Generate's first stage).
+
+The prompt comes as token ids, text (the model's tokenizer) or a chat (its chat template);
+the sampling parameters, max_tokens, stop token ids and pipeline are checked against the
+model (`rpc.validate_spec`: vocabulary, context length, sampling ranges). Anything wrong is
+INVALID_ARGUMENT with one sentence. What passes fills the request's "what was asked" fields,
+with the SequenceSpec every tier is sent (EOS joins the stop ids unless `ignore_eos`) and the
+handoff mode (the client's, else `[router] handoff`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING
+
+import grpc
+
+from serving import rpc
+from serving.pb import cluster_pb2, common_pb2
+from serving.router.request import PIPELINE_NAMES, Abort
+
+if TYPE_CHECKING:
+    from serving.pb import router_pb2
+    from serving.router.request import Request
+
+
+def prompt_of(req: router_pb2.GenerateRequest, cfg, tokenizer) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind == "token_ids":
+        return list(req.token_ids.ids)
+    if kind is None:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the request has no prompt")
+    if tokenizer is None:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"model {cfg.name} has no tokenizer: send token_ids")
+    if kind == "text":
+        return tokenizer.encode(req.text) if req.text else []
+    msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+    if not msgs:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the chat has no messages")
+    try:
+        return tokenizer.encode(tokenizer.apply_chat_template(msgs))
+    except Exception as e:  # noqa: BLE001  (template errors are the user's)
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat: {e}") from None
+
+
+def read(r: Request, req: router_pb2.GenerateRequest, cfg, tokenizer, handoff: str) -> None:
+    """Fills `r` from `req` (a random request id when the client sent none), or raises Abort
+    (INVALID_ARGUMENT). `handoff`: `[router] handoff`, for a request that names no mode."""
+    prompt = prompt_of(req, cfg, tokenizer)
+    params = rpc.sampling_from_pb(req.sampling)
+    max_tokens = int(req.max_tokens)
+    rid = req.request_id or uuid.uuid4().hex
+    err = rpc.validate_spec(cfg, rid, prompt, params, max_tokens)
+    if err:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+    if req.pipeline not in PIPELINE_NAMES:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pipeline {req.pipeline}")
+    bad = [t for t in req.stop_token_ids if t >= cfg.vocab_size]
+    if bad:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"stop token id {bad[0]} is outside the vocabulary")
+    stop_ids = tuple(() if req.ignore_eos else cfg.eos_token_ids) + tuple(req.stop_token_ids)
+    r.rid, r.session, r.prompt, r.max_tokens, r.requested = rid, req.session_id, prompt, max_tokens, req.pipeline
+    r.spec = cluster_pb2.SequenceSpec(request_id=rid, prompt=prompt, sampling=rpc.sampling_to_pb(params),
+                                      max_tokens=max_tokens, stop_token_ids=stop_ids)
+    r.mode = req.handoff or (common_pb2.HANDOFF_MODE_ONE_SHOT if handoff == "one-shot"
+                             else common_pb2.HANDOFF_MODE_CHUNKED)
