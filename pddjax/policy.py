@@ -45,7 +45,7 @@ class Inputs:
     wan_bytes_per_s: float  # measured A -> B throughput
     wan_latency_s: float
     wan_queue_bytes: int  # bytes already queued on the link to this MD
-    rld_tokens_per_s: float  # RLD's measured decode speed for one request
+    relay_tokens_per_s: float  # RLD's measured decode speed for one request
     filtered_share: float = 0.0  # of the last filter_window decisions
     session_id: str = ""
     predicted_output: int | None = None  # from the session's earlier turns
@@ -60,7 +60,7 @@ class Decision:
     delta_bytes: int
     transfer_s: float
     output_tokens: int  # the output estimate used
-    rld_finish_s: float  # RLD alone would finish the output in this time
+    relay_finish_s: float  # RLD alone would finish the output in this time
     sync_main: bool = False  # pd-local: push the session's context to MD in the background
     handoff_pending: int = 0  # pdd: tokens RLD is predicted to hold at handoff
     handoff: str = ""  # pdd: the handoff that predicts (RLD decides on the real count)
@@ -69,7 +69,7 @@ class Decision:
         s = (f"{self.pipeline} ({self.reason}): hit P {i.hit_prefill}/{i.prompt_tokens}, "
              f"MD {i.hit_main}/{i.prompt_tokens}; delta {self.delta_tokens} tok = {self.delta_bytes} B; "
              f"est. transfer {1e3 * self.transfer_s:.0f} ms at {8 * i.wan_bytes_per_s / 1e6:.1f} Mb/s "
-             f"(+{i.wan_queue_bytes} B queued); RLD {self.output_tokens} tok in {1e3 * self.rld_finish_s:.0f} ms")
+             f"(+{i.wan_queue_bytes} B queued); RLD {self.output_tokens} tok in {1e3 * self.relay_finish_s:.0f} ms")
         if self.pipeline == PDD:
             s += f"; ~{self.handoff_pending} tok pending at handoff ({self.handoff})"
         if self.pipeline == PD_LOCAL:
@@ -88,13 +88,13 @@ def decide(i: Inputs, c: PolicyConfig) -> Decision:
     delta_bytes = delta * i.kv_bytes_per_token
     t = transfer_time(delta_bytes, i)
     out = i.max_tokens if i.predicted_output is None else max(1, min(i.max_tokens, i.predicted_output))
-    rld_s = out / max(i.rld_tokens_per_s, 1e-6)
-    d = dict(delta_tokens=delta, delta_bytes=delta_bytes, transfer_s=t, output_tokens=out, rld_finish_s=rld_s)
+    relay_s = out / max(i.relay_tokens_per_s, 1e-6)
+    d = dict(delta_tokens=delta, delta_bytes=delta_bytes, transfer_s=t, output_tokens=out, relay_finish_s=relay_s)
     if t <= c.ttft_budget_s:
         return Decision(PD_CROSS, "fast-delta", **d)
-    pending = min(i.max_tokens, int(t * i.rld_tokens_per_s))
+    pending = min(i.max_tokens, int(t * i.relay_tokens_per_s))
     d_pdd = dict(handoff_pending=pending, handoff=handoff_mode(pending, c.handoff_threshold), **d)
-    if rld_s < t:
+    if relay_s < t:
         if i.filtered_share >= c.filter_cap:
             return Decision(PDD, "cap", **d_pdd)
         if i.session_drift > c.drift_tolerance:

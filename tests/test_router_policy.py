@@ -16,7 +16,7 @@ MB = 1e6 / 8  # bytes/s per Mb/s
 
 def inputs(**kw) -> Inputs:
     base = dict(prompt_tokens=10_000, max_tokens=200, hit_prefill=9_000, hit_main=9_000, kv_bytes_per_token=50_000,
-                wan_bytes_per_s=10_000 * MB, wan_latency_s=0.02, wan_queue_bytes=0, rld_tokens_per_s=50.0)
+                wan_bytes_per_s=10_000 * MB, wan_latency_s=0.02, wan_queue_bytes=0, relay_tokens_per_s=50.0)
     return Inputs(**{**base, **kw})
 
 
@@ -140,7 +140,7 @@ def run_trace(sync: bool, guard: bool, cap: float = 0.05, turns: int = 12, sessi
             prompt = ctx + new
             hp, hm = held_p.get(sid, 0), held_md.get(sid, 0)
             i = Inputs(prompt_tokens=prompt, max_tokens=out, hit_prefill=hp, hit_main=hm, kv_bytes_per_token=50_000,
-                       wan_bytes_per_s=1000 * MB, wan_latency_s=0.02, wan_queue_bytes=0, rld_tokens_per_s=50.0,
+                       wan_bytes_per_s=1000 * MB, wan_latency_s=0.02, wan_queue_bytes=0, relay_tokens_per_s=50.0,
                        filtered_share=window.share(), session_id=sid, session_drift=tracker.drift(sid))
             d = decide(i, cfg)
             d = dataclasses.replace(d, sync_main=d.sync_main and sync)

@@ -181,7 +181,7 @@ class Router:
         i = Inputs(prompt_tokens=req.prompt, max_tokens=req.output, hit_prefill=hit_p, hit_main=req.md_hit,
                    kv_bytes_per_token=int(c.kvb), wan_bytes_per_s=link.throughput.value,
                    wan_latency_s=link.latency.value, wan_queue_bytes=link.queued,
-                   rld_tokens_per_s=self.rld_speed[rld.name].value, filtered_share=self.window.share(),
+                   relay_tokens_per_s=self.rld_speed[rld.name].value, filtered_share=self.window.share(),
                    session_id=sid, predicted_output=self.sessions.predicted_output(sid),
                    session_drift=self.sessions.drift(sid))
         d = decide(i, self.policy)

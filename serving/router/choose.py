@@ -108,7 +108,7 @@ class Chooser:
             i = Inputs(prompt_tokens=n, max_tokens=r.max_tokens, hit_prefill=r.hit_prefill, hit_main=r.hit_main,
                        kv_bytes_per_token=await pools.kv_bytes_per_token(r.prefill),
                        wan_bytes_per_s=link.throughput.value, wan_latency_s=link.latency.value,
-                       wan_queue_bytes=link.queued, rld_tokens_per_s=self.estimates.speed(r.relay).value,
+                       wan_queue_bytes=link.queued, relay_tokens_per_s=self.estimates.speed(r.relay).value,
                        filtered_share=self.window.share(), session_id=r.session,
                        predicted_output=self.sessions.predicted_output(r.session),
                        session_drift=self.sessions.drift(r.session))

@@ -42,6 +42,7 @@ from pddjax.sim.cluster import Cluster
 from pddjax.sim.config import ClusterConfig, HostConfig, Pool
 from pddjax.sim.measured import MeasuredInstance
 from pddjax.workload.trace import TraceRequest
+from serving.config import RouterSettings
 from tools.hostlab import calibrate
 from tools.hostlab.runs import STATS, combine
 
@@ -61,16 +62,7 @@ class WanSettings:
     jitter_ms: float = 0.0  # scale of |N(0, j)| (the benchmark's default jitter distribution)
 
 
-@dataclass(frozen=True)
-class RouterSettings:
-    """The router's defaults (serving.config.RouterSettings) that the policy uses."""
-
-    ttft_budget_s: float = 0.5
-    filter_cap: float = 0.05
-    filter_window: int = 200
-    drift_tolerance: float = 0.2
-    rld_tokens_per_s_prior: float = 50.0
-    handoff_threshold: int = 64
+ROUTER = RouterSettings()  # the router's defaults, as `pddjax up` runs it
 
 
 def background_of(measured: dict, mode: str) -> float | None:
@@ -90,7 +82,7 @@ def cpus_of(measured: dict) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 
 def mode_config(mode: str, perf: MeasuredInstance, wan: WanSettings, host: HostConfig,
-                router: RouterSettings = RouterSettings()) -> ClusterConfig:
+                router: RouterSettings = ROUTER) -> ClusterConfig:
     """The simulated deployment of one benchmark mode."""
     sim_mode = {"pdd": "pdd", "pd-cross": "pd-cross", "pd-local": "pd-local", "pdd-drc-off": "pdd"}[mode]
     gbps = wan.mbps / 1e3
@@ -100,7 +92,7 @@ def mode_config(mode: str, perf: MeasuredInstance, wan: WanSettings, host: HostC
         wan_jitter_s=wan.jitter_ms / 1e3 * math.sqrt(2 / math.pi),  # mean of |N(0, j)|
         wan_sharing=WAN_SHARING, fast_gbps=10.0, fast_latency_s=50e-6, handoff="chunked",
         chunk_threshold=router.handoff_threshold,
-        rld_threshold_s=router.ttft_budget_s, filter_cap=router.filter_cap, filter_window=router.filter_window,
+        rld_threshold_s=router.ttft_budget_ms / 1e3, filter_cap=router.filter_cap, filter_window=router.filter_window,
         drift_tolerance=router.drift_tolerance, rld_prior_tokens_per_s=router.rld_tokens_per_s_prior,
         wan_prior_gbps=gbps, cancel_late_transfers=False, link_timing="wire", user_lag_s=0.0,
         drc=mode != "pdd-drc-off",
@@ -118,7 +110,7 @@ def pct(xs) -> dict:
 
 
 def simulate_mode(mode: str, perf: MeasuredInstance, wan: WanSettings, host: HostConfig,
-                  trace: list[TraceRequest], router: RouterSettings = RouterSettings()) -> dict:
+                  trace: list[TraceRequest], router: RouterSettings = ROUTER) -> dict:
     """{"ttft_ms": pct, "pipelines", "requests": [...], ...} for the measured turns of one mode."""
     cl = Cluster(mode_config(mode, perf, wan, host, router), trace, horizon=math.inf, replay_history=True)
     cl.run()
@@ -178,7 +170,7 @@ def _steps_by_role(by_engine: dict[str, tuple[int, float]], mode: str) -> dict[s
 
 
 def predict(perf: MeasuredInstance, wan: WanSettings, host: HostConfig, trace: list[TraceRequest],
-            modes=MODES, router: RouterSettings = RouterSettings(), background: dict | None = None) -> dict:
+            modes=MODES, router: RouterSettings = ROUTER, background: dict | None = None) -> dict:
     """Simulated {"modes": {mode: simulate_mode(...)}} for the given benchmark modes
     (`background`: per mode, cores other processes used, overriding host.background_cores)."""
     out = {}
