@@ -1,9 +1,12 @@
 """The handoff between the Decode services: RLD's Handoff RPC and MD's HandoffTokens.
 
   Handoff      (RLD) hand token IDs to MD: one-shot, or chunk by chunk while more than the
-               threshold is pending; RLD pauses, MD acknowledges, RLD's stream ends with
-               handed_off_at = N and RLD releases the request. Each HandoffTokens try is
-               retried when its connection breaks or its answer is lost.
+               threshold is pending (RLD decodes on meanwhile: MD extends the bulk, then
+               decodes ahead of RLD, held, so each later chunk is mostly tokens MD already
+               has); then RLD pauses, the final tail goes, MD acknowledges, RLD's stream ends
+               with handed_off_at = N and RLD releases the request. Each HandoffTokens try is
+               retried when its connection breaks or its answer is lost; the final one (RLD
+               paused, the user waiting) within FINAL_BUDGET_SECONDS, after which RLD resumes.
   HandoffTokens (MD) append RLD's tokens and extend-decode them; a non-final chunk is
                acknowledged once MD has caught up on it; on the final one MD emits from N on.
                Applied once per (request, chunk_seq | final): the table of applied chunks
@@ -31,9 +34,18 @@ if TYPE_CHECKING:
     from serving.engine.slot import SlotTable
     from serving.engine.worker import EngineWorker
 
-HANDOFF_TIMEOUT_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_TIMEOUT_SECONDS", "10"))  # per HandoffTokens try
+HANDOFF_TIMEOUT_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_TIMEOUT_SECONDS", "10"))  # per non-final try
+# The final chunk's tries together: RLD is paused meanwhile, so a slow or lost MD resumes RLD soon.
+FINAL_BUDGET_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_FINAL_SECONDS", "1.0"))
+# Chunks before the final one: each is acknowledged once MD caught up, and the tail shrinks while
+# MD keeps pace; an MD slower than RLD would chase forever, so the final goes after this many.
+MAX_CATCH_UP_CHUNKS = 8
 HANDOFF_RETRY_WAITS = (0.2, 0.5, 1.0)  # before each retry of the same chunk (MD applies it once)
 HANDOFFS_REMEMBERED = 10000  # MD: applied handoff chunks (a retry is answered, never applied twice)
+
+
+class HandoffLate(Exception):
+    """The final chunk's budget ran out (RLD resumes); the message is one sentence."""
 
 
 class Handoff:
@@ -64,37 +76,51 @@ class Handoff:
         threshold = request.threshold or 64
         sent, chunks = 0, 0
         while True:
-            toks = await self.worker.call(_snapshot, rid)
+            toks = await self.worker.call(_snapshot, rid, urgent=True)
             if toks is None:  # RLD finished first
                 return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
-            if chunked and len(toks) - sent > threshold:
+            if chunked and len(toks) - sent > threshold and chunks < MAX_CATCH_UP_CHUNKS:
                 await self._send_tokens(main, cluster_pb2.HandoffTokensRequest(
                     request_id=rid, start_position=sent, token_ids=toks[sent:], final=False, chunk_seq=chunks))
                 sent, chunks = len(toks), chunks + 1
                 continue
-            toks = await self.worker.call(_pause, rid)
+            toks = await self.worker.call(_pause, rid, urgent=True)
             if toks is None:
                 return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
             try:
                 await self._send_tokens(main, cluster_pb2.HandoffTokensRequest(
-                    request_id=rid, start_position=sent, token_ids=toks[sent:], final=True, chunk_seq=chunks))
-            except BaseException:
-                self.worker.run_soon(_resume, rid)  # MD failed (or we were cancelled): RLD finishes the request
+                    request_id=rid, start_position=sent, token_ids=toks[sent:], final=True, chunk_seq=chunks),
+                    budget=FINAL_BUDGET_SECONDS)
+            except BaseException as e:
+                self.worker.run_soon(_resume, rid, urgent=True)  # MD failed or late: RLD finishes the request
+                if isinstance(e, HandoffLate):
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
                 raise
             await self.worker.call(self._handed_off, rid, len(toks))
             return cluster_pb2.HandoffResponse(handed_off=True, handed_off_at=len(toks), chunks=chunks + 1,
                                                tokens=len(toks))
 
-    async def _send_tokens(self, main: cluster_pb2_grpc.DecodeStub, req) -> None:
+    async def _send_tokens(self, main: cluster_pb2_grpc.DecodeStub, req, budget: float | None = None) -> None:
         """RLD: one HandoffTokens, retried when the connection breaks or the answer is lost
         (UNAVAILABLE, DEADLINE_EXCEEDED): MD keys it by (request, chunk_seq | final) and applies
-        it once, answering a retry with the first attempt's acknowledgement."""
+        it once, answering a retry with the first attempt's acknowledgement. `budget`: all tries
+        within this many seconds (each try gets what is left), else HANDOFF_TIMEOUT_SECONDS each."""
+        loop = asyncio.get_running_loop()
+        end = None if budget is None else loop.time() + budget
         for wait in (*HANDOFF_RETRY_WAITS, None):
+            timeout = HANDOFF_TIMEOUT_SECONDS if end is None else end - loop.time()
             try:
-                await main.HandoffTokens(req, timeout=HANDOFF_TIMEOUT_SECONDS)
+                if timeout <= 0:
+                    raise TimeoutError
+                await main.HandoffTokens(req, timeout=timeout)
                 return
+            except TimeoutError:
+                raise HandoffLate(f"MD did not take the final handoff of {req.request_id} within {budget} s; "
+                                  "RLD decodes on") from None
             except grpc.aio.AioRpcError as e:
-                if wait is None or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                late = end is not None and loop.time() + (wait or 0) >= end
+                if wait is None or late or e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                                            grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 print(f"{self.role}: handoff {req.request_id} chunk {req.chunk_seq} (final={req.final}) failed "
                       f"({e.code().name}); retrying in {wait} s", file=sys.stderr, flush=True)
@@ -155,7 +181,7 @@ class Handoff:
                 slot.waiters.append((len(seq.prompt) + end, fut))
 
         try:
-            await self.worker.call(apply)
+            await self.worker.call(apply, urgent=True)  # never behind other requests' KV imports
         except (KeyError, ValueError) as e:
             failure = (RpcFailure(grpc.StatusCode.NOT_FOUND, f"request {rid} is no longer on {self.role}")
                        if isinstance(e, KeyError) else RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)))

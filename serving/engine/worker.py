@@ -4,6 +4,11 @@ Services submit work as callables (`call(fn, *args)` runs fn(engine, *args) -> a
 thread runs `engine.step()` while there is work, and hands each step's events to
 `on_step(events)`, which runs in the worker thread too (so it may read the engine) and
 passes results to asyncio with `post(fn, *args)` (loop.call_soon_threadsafe).
+
+Urgent commands (`call(..., urgent=True)`: the handoff's token appends and RLD's pause) run
+before every queued ordinary one, and while sequences have work the ordinary commands get at
+most COMMAND_BUDGET_S between two steps, so a burst of other requests' KV imports never holds
+a handoff's extend (or the decode rows) back by more than about one import.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import queue
 import threading
 import time
@@ -19,12 +25,16 @@ from collections.abc import Callable
 
 from serving.engine.steplog import StepLog
 
+COMMAND_BUDGET_S = 0.02  # ordinary commands between two steps while sequences have work
+_URGENT, _ORDINARY, _STOP = 0, 1, 2  # queue priorities
+
 
 class EngineWorker:
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_step: Callable[[list], None] | None = None,
                  name: str = "engine"):
         self.engine, self.loop, self.on_step = engine, loop, on_step
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.PriorityQueue = queue.PriorityQueue()  # (priority, arrival, item)
+        self._arrival = itertools.count()
         self._stop = False
         self.steps = 0
         self.metrics = None  # a ServiceMetrics: engine gauges are set from this thread (<= 4 per s, and when idle)
@@ -33,16 +43,20 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def call(self, fn: Callable, *args) -> asyncio.Future:
-        """Run fn(engine, *args) on the engine thread; await the returned future for its result."""
+    def call(self, fn: Callable, *args, urgent: bool = False) -> asyncio.Future:
+        """Run fn(engine, *args) on the engine thread; await the returned future for its result.
+        `urgent`: before every ordinary command already queued (latency-critical, short)."""
         cf: concurrent.futures.Future = concurrent.futures.Future()
-        self._q.put((fn, args, cf))
+        self._put(_URGENT if urgent else _ORDINARY, (fn, args, cf))
         return asyncio.wrap_future(cf, loop=self.loop)
 
-    def run_soon(self, fn: Callable, *args) -> None:
+    def run_soon(self, fn: Callable, *args, urgent: bool = False) -> None:
         """Run fn(engine, *args) on the engine thread and do not wait: for cleanup in `finally`
         blocks, where an awaited `call` could itself be cancelled and then skipped."""
-        self._q.put((fn, args, None))
+        self._put(_URGENT if urgent else _ORDINARY, (fn, args, None))
+
+    def _put(self, priority: int, item) -> None:
+        self._q.put((priority, next(self._arrival), item))
 
     def post(self, fn: Callable, *args) -> None:
         """From the engine thread: run fn(*args) on the event loop."""
@@ -50,7 +64,7 @@ class EngineWorker:
 
     def stop(self) -> None:
         self._stop = True
-        self._q.put(None)
+        self._put(_STOP, None)
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
@@ -58,9 +72,10 @@ class EngineWorker:
             self.log.engine_tid = threading.get_native_id()
         while not self._stop:
             try:
-                item = self._q.get(block=not self.engine.has_work(), timeout=None)
+                item = self._q.get(block=not self.engine.has_work(), timeout=None)[2]
             except queue.Empty:
                 item = False
+            started = time.monotonic()
             while item is not False:
                 if item is None:
                     if self.log is not None:
@@ -78,10 +93,7 @@ class EngineWorker:
                             cf.set_result(fn(self.engine, *args))
                         except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
                             cf.set_exception(e)
-                try:
-                    item = self._q.get_nowait()
-                except queue.Empty:
-                    item = False
+                item = self._next_command(started)
             if self.engine.has_work():
                 try:
                     with self._timed("step", lambda: getattr(self.engine, "last_shape", ())):
@@ -97,6 +109,18 @@ class EngineWorker:
                 self._snapshot_at = now  # num_pages_active walks every sequence: not on every step
                 with self._timed("snapshot"):
                     self.metrics.engine_snapshot(self.snapshot())
+
+    def _next_command(self, started: float):
+        """The next queued command, or False: none queued, or only ordinary ones while the
+        engine has work and this round's ordinary budget is spent (the step goes first)."""
+        try:
+            priority, _, item = self._q.get_nowait()
+        except queue.Empty:
+            return False
+        if priority == _ORDINARY and time.monotonic() - started > COMMAND_BUDGET_S and self.engine.has_work():
+            self._q.put((priority, _, item))  # keeps its place: same priority, same arrival number
+            return False
+        return item
 
     def _timed(self, name: str, shape=None):
         """The step log's timer for a block on this thread (nothing without a log)."""

@@ -1,0 +1,79 @@
+"""The engine thread's order of work: urgent commands (a handoff's token append, RLD's pause)
+before every queued ordinary one, and ordinary commands (KV imports of other requests) never
+hold the next step back by more than their budget while sequences have work."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from serving.engine import worker as worker_mod
+from serving.engine.worker import EngineWorker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Engine:
+    """Records what ran on the engine thread, in order; `work` steps are pending."""
+
+    def __init__(self, work: int = 0):
+        self.log: list[str] = []
+        self.work = work
+
+    def has_work(self) -> bool:
+        return self.work > 0
+
+    def step(self) -> list:
+        time.sleep(0.001)  # a step takes time: work lasts until the test ends it
+        self.work -= 1
+        self.log.append("step")
+        return []
+
+
+def _slow(e: Engine, name: str, seconds: float) -> str:
+    time.sleep(seconds)
+    e.log.append(name)
+    return name
+
+
+async def _queue_then_release(w: EngineWorker, e: Engine, calls) -> list:
+    """Holds the engine thread busy, queues `calls` meanwhile, then lets everything run."""
+    blocker = w.call(_slow, "blocker", 0.3)
+    await asyncio.sleep(0.05)  # the blocker is running: everything below queues behind it
+    futs = [w.call(_slow, name, s, urgent=u) for name, s, u in calls]
+    await asyncio.gather(blocker, *futs)
+    return e.log
+
+
+def test_urgent_commands_run_before_queued_ordinary_ones():
+    async def main():
+        e = Engine()
+        w = EngineWorker(e, asyncio.get_running_loop())
+        try:
+            return await _queue_then_release(w, e, [("import1", 0, False), ("import2", 0, False),
+                                                    ("handoff", 0, True), ("import3", 0, False)])
+        finally:
+            w.stop()
+
+    log = asyncio.run(main())
+    assert log == ["blocker", "handoff", "import1", "import2", "import3"]
+
+
+def test_ordinary_commands_yield_to_the_step_after_their_budget():
+    async def main():
+        e = Engine(work=10**6)
+        w = EngineWorker(e, asyncio.get_running_loop())
+        try:
+            # 5 imports of 2x the budget each: a step must run between any two of them
+            slow = 2 * worker_mod.COMMAND_BUDGET_S
+            return list(await _queue_then_release(w, e, [(f"import{i}", slow, False) for i in range(5)]))
+        finally:
+            e.work = 0
+            w.stop()
+
+    log = [x for x in asyncio.run(main()) if x != "blocker"]
+    imports = [i for i, x in enumerate(log) if x.startswith("import")]
+    assert len(imports) == 5
+    assert all("step" in log[a:b] for a, b in zip(imports, imports[1:])), [x for x in log if x != "step"][:20]
