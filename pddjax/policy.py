@@ -16,12 +16,19 @@ how RLD hands off, and the running estimates they rest on.
 
 Handoff: RLD hands off one-shot when at most `threshold` tokens are pending, else in chunks
 (`handoff_mode`); the router predicts the pending count for the explanation.
+
+The link estimate (`LinkEstimator`) starts from a prior (`[router] wan_mbps_prior`, or the
+configured capacity `wan_mbps`, which also caps it), is seeded by the router's probe
+(`probe_rate` / `probe_size`: a few empty round trips, then payload rounds sized from the
+previous round) and refreshed by every completed transfer; it knows its source and age.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
+import time
 
 PD_CROSS, PDD, PD_LOCAL = "pd-cross", "pdd", "pd-local"
 
@@ -50,6 +57,7 @@ class Inputs:
     session_id: str = ""
     predicted_output: int | None = None  # from the session's earlier turns
     session_drift: float = 0.0  # mean (P hit - MD hit) / prompt over the session's turns
+    wan_source: str = ""  # where the link estimate comes from (LinkEstimator.describe): explain only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +77,8 @@ class Decision:
         s = (f"{self.pipeline} ({self.reason}): hit P {i.hit_prefill}/{i.prompt_tokens}, "
              f"MD {i.hit_main}/{i.prompt_tokens}; delta {self.delta_tokens} tok = {self.delta_bytes} B; "
              f"est. transfer {1e3 * self.transfer_s:.0f} ms at {8 * i.wan_bytes_per_s / 1e6:.1f} Mb/s "
-             f"(+{i.wan_queue_bytes} B queued); RLD {self.output_tokens} tok in {1e3 * self.relay_finish_s:.0f} ms")
+             f"+ {1e3 * i.wan_latency_s:.0f} ms ({i.wan_source + '; ' if i.wan_source else ''}"
+             f"+{i.wan_queue_bytes} B queued); RLD {self.output_tokens} tok in {1e3 * self.relay_finish_s:.0f} ms")
         if self.pipeline == PDD:
             s += f"; ~{self.handoff_pending} tok pending at handoff ({self.handoff})"
         if self.pipeline == PD_LOCAL:
@@ -120,19 +129,30 @@ class Ewma:
 
 
 class LinkEstimator:
-    """Throughput and latency of one A -> B link from completed transfers, plus its queue.
+    """Throughput and latency of one A -> B link, plus its queue, with where they come from.
 
     A transfer of `bytes` that took `seconds` on the wire (P's TransferDone.wire_ms: the push's
     time without the time it waited on P's own prefill, so a slow prefill is not read as a slow
     line) is read as
     latency + bytes / throughput: transfers under `min_bytes` only update the latency,
-    larger ones the throughput (after subtracting the latency estimate)."""
+    larger ones the throughput (after subtracting the latency estimate).
+    `seed` replaces both with a probe's measurement (it counts as one sample, so transfers
+    average into it). `cap_mbps` > 0 (the configured capacity) bounds the throughput: a
+    measurement above the provisioned rate is the measurement's error, not the line's.
+    `source` (prior | configured | probe | transfers) and `at` (time.monotonic() of the last
+    update) say what the throughput rests on (`describe`)."""
 
-    def __init__(self, prior_mbps: float, prior_latency_s: float, min_bytes: int = 64 * 1024):
-        self.throughput = Ewma(prior_mbps * 1e6 / 8)  # bytes/s
+    def __init__(self, prior_mbps: float, prior_latency_s: float, min_bytes: int = 64 * 1024,
+                 cap_mbps: float = 0.0, source: str = "prior"):
+        self.cap = cap_mbps * 1e6 / 8 if cap_mbps > 0 else 0.0  # bytes/s; 0 = none
+        self.throughput = Ewma(self._capped(prior_mbps * 1e6 / 8))  # bytes/s
         self.latency = Ewma(prior_latency_s)
         self.min_bytes = min_bytes
         self.queued = 0  # bytes of transfers started and not yet completed
+        self.source, self.at = source, time.monotonic()
+
+    def _capped(self, bytes_per_s: float) -> float:
+        return min(bytes_per_s, self.cap) if self.cap else bytes_per_s
 
     def start(self, nbytes: int) -> None:
         self.queued += nbytes
@@ -145,6 +165,59 @@ class LinkEstimator:
             self.latency.add(seconds)
         else:
             self.throughput.add(nbytes / max(seconds - self.latency.value, 0.1 * seconds))
+            self.throughput.value = self._capped(self.throughput.value)
+            self.source, self.at = "transfers", time.monotonic()
+
+    def seed(self, bytes_per_s: float, latency_s: float | None = None, source: str = "probe") -> None:
+        """A probe's measurement replaces the estimate (throughput capped); transfers refine it."""
+        self.throughput.value = self._capped(bytes_per_s)
+        self.throughput.samples = max(self.throughput.samples, 1)
+        if latency_s is not None:
+            self.latency.value, self.latency.samples = latency_s, max(self.latency.samples, 1)
+        self.source, self.at = source, time.monotonic()
+
+    def describe(self, now: float | None = None) -> str:
+        """"probe, 3 s ago" | "transfers, 0 s ago" | "prior" | "configured" (+ ", capped")."""
+        s = self.source
+        if s in ("probe", "transfers"):
+            s += f", {max(0.0, (time.monotonic() if now is None else now) - self.at):.0f} s ago"
+        if self.cap and self.throughput.value >= self.cap and self.source != "configured":
+            s += f", capped at the configured {8 * self.cap / 1e6:g} Mb/s"
+        return s
+
+
+# ---- the router's link probe: its arithmetic (the RPCs are serving/router/estimates.py's) ----
+PROBE_FIRST_BYTES = 32 * 1024  # the first payload round: 0.26 s at 1 Mb/s, 13 ms at 20 Mb/s
+PROBE_MAX_BYTES = 2 * 1024 * 1024  # one round at most (MD refuses above 4 MiB)
+PROBE_ROUND_S = 0.25  # later rounds aim at this long on the wire: well above RTT noise, still short
+
+
+def probe_rtt(seconds: list[float]) -> float:
+    """The round trip from empty probes (the median: one slow answer does not move it)."""
+    return statistics.median(seconds) if seconds else 0.0
+
+
+def probe_rate(nbytes: int, seconds: float, rtt: float) -> float:
+    """Bytes/s of one payload round that took `seconds`: the round trip subtracted, as for a
+    transfer (LinkEstimator.done), never below a tenth of the round."""
+    return nbytes / max(seconds - rtt, 0.1 * seconds, 1e-6)
+
+
+def probe_size(bytes_per_s: float) -> int:
+    """The next round's payload: PROBE_ROUND_S at the rate measured so far, within
+    [PROBE_FIRST_BYTES, PROBE_MAX_BYTES], in whole KiB."""
+    n = int(bytes_per_s * PROBE_ROUND_S) // 1024 * 1024
+    return max(PROBE_FIRST_BYTES, min(PROBE_MAX_BYTES, n))
+
+
+def probe_estimate(rounds: list[tuple[int, float]], rtt: float) -> float:
+    """The link's bytes/s from payload rounds (bytes, seconds): the largest round's rate (ties:
+    the later one), which has the most bytes against the RTT's noise and the flow-control
+    window's warm-up. 0 when no round finished."""
+    if not rounds:
+        return 0.0
+    n, t = max(reversed(rounds), key=lambda r: r[0])
+    return probe_rate(n, t, rtt)
 
 
 class SessionTracker:

@@ -15,6 +15,11 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
                               # handoff ("auto" | "one-shot" | "chunked"), handoff_threshold,
                               # chunk_bytes; auto policy: ttft_budget_ms, filter_cap, filter_window,
                               # drift_tolerance, *_prior estimates; health_interval_s/_timeout_s;
+                              # the link to each MD: wan_mbps = its provisioned A -> B capacity
+                              # (0 = unknown; else the estimate's prior and its cap), wan_probe =
+                              # true: measured (RTT, bandwidth; < 3 s, <= ~4 MiB) at the router's
+                              # start and when an MD rejoins, then refreshed by transfers; an auto
+                              # request waits up to wan_probe_wait_ms for its MD's first probe
                               # admission: max_inflight = 256 requests served at once, max_queue =
                               # 512 waiting for a slot; past both Generate answers RESOURCE_EXHAUSTED
     [wan]                     # mbps (0 = unlimited), latency_ms  (pddjax up's A -> B link)
@@ -55,6 +60,9 @@ class RouterSettings:
     drift_tolerance: float = _POLICY.drift_tolerance  # auto: no filter for a session whose MD hit lags P's by more
     wan_mbps_prior: float = 1000.0  # link estimates before the first measured transfer
     wan_latency_ms_prior: float = 20.0
+    wan_mbps: float = 0.0  # the provisioned A -> B capacity: prior and cap of the link estimate (0 = unknown)
+    wan_probe: bool = True  # measure each MD's link at start and when it rejoins (estimates.py)
+    wan_probe_wait_ms: float = 2000.0  # an auto request waits this long at most for its MD's first probe
     rld_tokens_per_s_prior: float = 50.0
     health_interval_s: float = 1.0  # grpc.health.v1 checks of every instance
     health_timeout_s: float = 2.0
@@ -66,6 +74,9 @@ class RouterSettings:
         for f in ("prefill", "relay", "main", "main_wan", "relay_kv"):
             v = getattr(self, f)
             setattr(self, f, [a for a in v.split(",") if a] if isinstance(v, str) else list(v))
+        if float(self.wan_mbps) < 0 or float(self.wan_probe_wait_ms) < 0:
+            raise UserError(f"[router] wan_mbps and wan_probe_wait_ms must be >= 0, "
+                            f"got {self.wan_mbps} and {self.wan_probe_wait_ms}")
         if int(self.max_inflight) < 1 or int(self.max_queue) < 0:
             raise UserError(f"[router] max_inflight must be >= 1 and max_queue >= 0, "
                             f"got {self.max_inflight} and {self.max_queue}")

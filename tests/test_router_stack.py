@@ -5,10 +5,11 @@ multi-turn trace of four sessions (two `auto`, two `pdd`):
     singular filter finished on RLD (their context is synced to MD in the background);
   - one MD leaves (SIGTERM): health checks take it out of the rotation, its sessions move to
     the other MD (still exact tokens) and grow their hits there; the others keep theirs.
-The router's link prior is made very slow (0.01 Mb/s) so `auto` does not expect the delta in
-time: short answers are singular traffic (filtered up to the 50% cap), the rest go pdd, until
-a transfer large enough to measure throughput (>= 64 KB, after the move) corrects the estimate
-and `auto` turns to pd-cross."""
+The router's link prior is made very slow (0.01 Mb/s) and the link is not probed (the
+unshaped loopback would measure fast), so `auto` does not expect the delta in time: short
+answers are singular traffic (filtered up to the 50% cap), the rest go pdd, until a transfer
+large enough to measure throughput (>= 64 KB, after the move) corrects the estimate and `auto`
+turns to pd-cross."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ pytestmark = pytest.mark.timeout(400)
 STACK = {
     "model": "tiny", "platform": "cpu",
     "engine": {"dtype": "float32", "page_size": 16, "num_pages": 256, "max_step_tokens": 128, "max_rows": 8},
-    "router": {"chunk_bytes": 4096, "wan_mbps_prior": 0.01, "filter_cap": 0.5, "health_interval_s": 0.3,
-               "health_timeout_s": 1.0},
+    "router": {"chunk_bytes": 4096, "wan_mbps_prior": 0.01, "wan_probe": False, "filter_cap": 0.5,
+               "health_interval_s": 0.3, "health_timeout_s": 1.0},
     "wan": {"mbps": 0, "latency_ms": 0},
 }
 SESSIONS = {"s0": "auto", "s1": "auto", "s2": "pdd", "s3": "pdd"}

@@ -29,6 +29,9 @@ def register(sub) -> None:
     u.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override every engine's dtype")
     u.add_argument("--wan-mbps", type=float, help="A -> B bandwidth in Mb/s (0 = unlimited)")
     u.add_argument("--wan-latency-ms", type=float, help="A -> B one-way latency in ms")
+    u.add_argument("--wan-capacity-mbps", type=float,
+                   help="tell the router the link's provisioned A -> B rate ([router] wan_mbps: the estimate's prior "
+                        "and cap; default: unknown, the router measures the link it is given)")
     u.add_argument("--instances", default="1,1,1", metavar="P,R,M",
                    help="how many prefill, relay and main instances to start (default 1,1,1)")
     _security_flags(u)
@@ -129,6 +132,10 @@ def load_stack(args) -> dict:
             raise UserError(f"--wan-latency-ms must be >= 0, got {args.wan_latency_ms}")
         wan["latency_ms"] = args.wan_latency_ms
     stack["wan"] = wan
+    if args.wan_capacity_mbps is not None:
+        if args.wan_capacity_mbps < 0:
+            raise UserError(f"--wan-capacity-mbps must be >= 0, got {args.wan_capacity_mbps}")
+        stack["router"] = {**stack.get("router", {}), "wan_mbps": args.wan_capacity_mbps}
     for r in (*ENGINE_ROLES, "router"):  # validate before starting anything
         service_config(stack, r)
     for r in ENGINE_ROLES:

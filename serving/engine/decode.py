@@ -44,6 +44,7 @@ from serving import rpc
 from serving.engine.handoff import Handoff
 from serving.engine.info import match_prefix, service_info
 from serving.engine.kv_receiver import KVReceiver
+from serving.engine.probe import probe
 from serving.engine.slot import RpcFailure, Slot, SlotTable
 from serving.engine.worker import EngineWorker, resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
@@ -192,6 +193,9 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     async def MatchPrefix(self, request, context):
         return await match_prefix(self.worker, self.engine.config.page_size, request, context)
+
+    async def Probe(self, request, context):
+        return await probe(request, context)
 
 
 def _describe(e, slot: Slot) -> str:

@@ -275,6 +275,11 @@ class DecodeStub:
                 request_serializer=pddjax_dot_v1_dot_cluster__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=pddjax_dot_v1_dot_cluster__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/pddjax.v1.Decode/Probe',
+                request_serializer=pddjax_dot_v1_dot_cluster__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=pddjax_dot_v1_dot_cluster__pb2.ProbeResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -330,6 +335,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """the router's link probe (serving/engine/probe.py)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -372,6 +384,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=pddjax_dot_v1_dot_cluster__pb2.ReleaseRequest.FromString,
                     response_serializer=pddjax_dot_v1_dot_cluster__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=pddjax_dot_v1_dot_cluster__pb2.ProbeRequest.FromString,
+                    response_serializer=pddjax_dot_v1_dot_cluster__pb2.ProbeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -590,6 +607,33 @@ class Decode:
             '/pddjax.v1.Decode/Release',
             pddjax_dot_v1_dot_cluster__pb2.ReleaseRequest.SerializeToString,
             pddjax_dot_v1_dot_cluster__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pddjax.v1.Decode/Probe',
+            pddjax_dot_v1_dot_cluster__pb2.ProbeRequest.SerializeToString,
+            pddjax_dot_v1_dot_cluster__pb2.ProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,

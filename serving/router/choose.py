@@ -6,8 +6,9 @@ the measured estimates and the counters):
     skipped for the next;
   - `plan`: P and (unless pd-cross was asked) RLD, the session's MD (unless pd-local was
     asked), the prefix hits of P and MD (chained page hashes, no tokens move) and, for `auto`,
-    the policy's decision from those hits, the link's measured throughput and queue, RLD's
-    measured speed, the filtered share and the session's history; counted and explained;
+    the policy's decision from those hits, the link's measured throughput and queue (waiting,
+    boundedly, for the MD's first link probe), RLD's measured speed, the filtered share and the
+    session's history; counted and explained (with the link estimate's source and age);
   - `reserve`: Reserve on MD (pins its DRC prefix; a full or gone MD: the next one; every MD
     full or gone: an `auto` request with an RLD goes pd-local, reason main-full /
     main-unavailable) and on RLD (its own prefix hit); the instances used are held;
@@ -47,6 +48,7 @@ class Chooser:
         self.affinity = {role: pools.Affinity() for role in by_role}  # session -> the instance with its context
         self.sessions = SessionTracker()
         self.window = FilterWindow(s.filter_window)  # the last decisions: filtered (pd-local) or not
+        self.probe_wait_s = s.wan_probe_wait_ms / 1e3  # a request waits this long at most for its MD's first probe
 
     async def pick(self, role: str, session: str, fn=None, sticky=False, first=None, attempted=None):
         """-> (instance, fn(instance)): `first` if given, else the pool's pick (affinity, least
@@ -104,6 +106,9 @@ class Chooser:
             r.pipeline, r.reason = common_pb2.PIPELINE_PD_LOCAL, "no-main"
             r.explain = "pd-local (no-main): no healthy MD instance"
         elif asked == common_pb2.PIPELINE_AUTO:
+            remaining = r.deadline.remaining()
+            await self.estimates.settled(r.main_choice, self.probe_wait_s if remaining is None
+                                         else min(self.probe_wait_s, remaining / 2))
             link = self.estimates.link(r.main_choice)
             i = Inputs(prompt_tokens=n, max_tokens=r.max_tokens, hit_prefill=r.hit_prefill, hit_main=r.hit_main,
                        kv_bytes_per_token=await pools.kv_bytes_per_token(r.prefill),
@@ -111,7 +116,7 @@ class Chooser:
                        wan_queue_bytes=link.queued, relay_tokens_per_s=self.estimates.speed(r.relay).value,
                        filtered_share=self.window.share(), session_id=r.session,
                        predicted_output=self.sessions.predicted_output(r.session),
-                       session_drift=self.sessions.drift(r.session))
+                       session_drift=self.sessions.drift(r.session), wan_source=link.describe())
             d = decide(i, self.policy)
             self.window.add(d.pipeline == PD_LOCAL)
             r.pipeline, r.reason, r.sync_main = PIPELINES[d.pipeline], d.reason, d.sync_main

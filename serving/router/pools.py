@@ -4,10 +4,12 @@ A Pool holds one role's instances. `pick` answers the healthy instance to use: t
 one (the session's) when it is healthy and not excluded (MD: `sticky`), else the least loaded
 (in-flight requests through this router), ties broken by preference and then by rotation.
 An instance that fails its grpc.health.v1 check, or answers UNAVAILABLE, leaves the rotation;
-it comes back once a check answers SERVING.
+it comes back once a check answers SERVING (`health_loop`'s `on_back`: the router re-probes an
+MD's link then).
 `Affinity` remembers, per session, the instance that holds its context (bounded, LRU).
 Talking to an instance: `stub` (Prefill or Decode, by role), `info` (its ServiceInfo, asked
-once) and `kv_bytes_per_token` (from P's info: what one prompt token's KV weighs on the wire).
+once), `kv_bytes_per_token` (from P's info: what one prompt token's KV weighs on the wire) and
+`kv_stub` (a Decode stub over `kv_address`, the path peers' KV takes: the link probe's).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Instance:
     inflight: int = 0  # requests through this router now
     info: object = None  # ServiceInfo, fetched once
     channel: object = None
+    kv_channel: object = None  # to kv_address (the link probe), opened on first use
 
 
 class Pool:
@@ -93,6 +96,17 @@ def stub(inst: Instance):
     return (cluster_pb2_grpc.PrefillStub if inst.role == "prefill" else cluster_pb2_grpc.DecodeStub)(inst.channel)
 
 
+def kv_stub(inst: Instance) -> cluster_pb2_grpc.DecodeStub:
+    """A Decode stub over the path peers' KV takes to `inst` (MD: through the WAN link)."""
+    if inst.kv_address == inst.address:
+        if inst.channel is None:
+            inst.channel = channel(inst.address)
+        return cluster_pb2_grpc.DecodeStub(inst.channel)
+    if inst.kv_channel is None:
+        inst.kv_channel = channel(inst.kv_address)
+    return cluster_pb2_grpc.DecodeStub(inst.kv_channel)
+
+
 async def info(inst: Instance) -> cluster_pb2.ServiceInfo:
     if inst.info is None:
         inst.info = await stub(inst).Info(cluster_pb2.InfoRequest(), timeout=30)
@@ -116,7 +130,8 @@ async def check(inst: Instance, timeout: float) -> bool:
         return False
 
 
-def set_health(inst: Instance, ok: bool, counters: dict | None = None) -> None:
+def set_health(inst: Instance, ok: bool, counters: dict | None = None) -> bool:
+    """-> whether the instance's health changed."""
     if ok != inst.healthy:
         inst.healthy = ok
         print(f"router: {inst.role} {inst.address} {'is back in' if ok else 'left'} the rotation",
@@ -124,13 +139,18 @@ def set_health(inst: Instance, ok: bool, counters: dict | None = None) -> None:
         if counters is not None:
             key = "health_back" if ok else "health_left"
             counters[key] = counters.get(key, 0) + 1
+        return True
+    return False
 
 
-async def health_loop(pools: list[Pool], interval: float, timeout: float, counters: dict | None = None) -> None:
-    """Checks every instance every `interval` seconds, forever (cancel to stop)."""
+async def health_loop(pools: list[Pool], interval: float, timeout: float, counters: dict | None = None,
+                      on_back=None) -> None:
+    """Checks every instance every `interval` seconds, forever (cancel to stop); `on_back(inst)`
+    for each one that comes back into the rotation."""
     while True:
         insts = [i for p in pools for i in p.instances]
         oks = await asyncio.gather(*(check(i, timeout) for i in insts))
         for i, ok in zip(insts, oks):
-            set_health(i, ok, counters)
+            if set_health(i, ok, counters) and ok and on_back is not None:
+                on_back(i)
         await asyncio.sleep(interval)

@@ -11,8 +11,11 @@ drop a tier):
      one), the MD that holds the session's context (affinity; else the least loaded), their
      prefix hits (chained page hashes, no tokens move); auto: `policy.decide` from those hits,
      the KV bytes per token, the link's measured throughput and queue and RLD's measured speed
-     (`estimates.Estimates`), the TTFT budget and the session's history: pd-cross, pdd, or
-     pd-local for singular traffic (a filtered session turn is synced to MD afterwards);
+     (`estimates.Estimates`: probed at the router's start and when an MD rejoins, then
+     refreshed by transfers; a request waits up to wan_probe_wait_ms for its MD's first probe),
+     the TTFT budget and the session's history: pd-cross, pdd, or pd-local for singular
+     traffic (a filtered session turn is synced to MD afterwards); the explanation names the
+     link estimate's source and age;
   4. reserve (`Chooser.reserve`): MD (pins its DRC prefix -> cached_on_main; a full or gone
      MD: the next; all full or gone: `auto` goes pd-local, reason main-full / main-unavailable),
      then RLD; logged, counted, and the first message (pipeline, explain) sent;
@@ -26,7 +29,8 @@ drop a tier):
      filtered turn's context sync starts in the background;
   7. end (also on failure, client cancel or deadline): every task cancelled, every tier
      released (`Transfers.release`, after P's push to MD if the user's stream ended first).
-Metrics (TTFT, ITL, pipelines, handoffs, failures, WAN bytes): `metrics.RouterMetrics`.
+Metrics (TTFT, ITL, pipelines, handoffs, failures, WAN bytes): `metrics.RouterMetrics`;
+`Stats`: counters, admission, per-MD link estimates (source, age, the last probe), RLD speeds.
 """
 
 from __future__ import annotations
@@ -71,7 +75,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
             for inst in pool.instances:
                 inst.channel = pools.channel(inst.address)
         self._health = loop.create_task(pools.health_loop(list(self.pools.values()), self.s.health_interval_s,
-                                                          self.s.health_timeout_s, self.counters))
+                                                          self.s.health_timeout_s, self.counters, self._on_back))
+        for inst in self.pools["main"].instances:  # the links' first measurement, before any request
+            self._on_back(inst)
+
+    def _on_back(self, inst: pools.Instance) -> None:
+        """An MD at start or back in the rotation: its link is probed again (background)."""
+        if inst.role == "main" and self.s.wan_probe and self.estimates.start_probe(inst):
+            self.counters["link_probes"] += 1
 
     async def Stats(self, request, context):
         return router_pb2.StatsResponse(json=json.dumps(self.stats()))

@@ -4,7 +4,10 @@ Cluster A: P and RLD; cluster B: MD; the router on --port. `--instances P,R,M` s
 of each (the router balances them). P and RLD reach each MD only through its own WanLink
 (bandwidth and latency), running in this supervisor process. Steps: write each service's
 config, start the P, RLD, MD instances (`pddjax serve ROLE`), wait for their ready files,
-start the links, start the router (given every address), write the state file
+start the links, start the router (given every address: MD's `main` and, as `main_wan`, its
+link's; the router is not told the link's rate unless `[router] wan_mbps` or
+`--wan-capacity-mbps` says so: it probes the link it is given, as in a real deployment), write
+the state file
   {"services": [{"role", "pid", "address", "metrics" (its /metrics URL)}], "wan": {...}, "wans": [...],
    "router": ADDRESS}
 (`wan` is the first MD's link; byte counters refreshed every second), print the router
