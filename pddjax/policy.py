@@ -157,16 +157,28 @@ class LinkEstimator:
     def start(self, nbytes: int) -> None:
         self.queued += nbytes
 
-    def done(self, planned: int, nbytes: int, seconds: float, ok: bool = True) -> None:
+    def done(self, planned: int, nbytes: int, seconds: float, ok: bool = True,
+             total_seconds: float | None = None) -> None:
+        """A transfer finished. `total_seconds` (its whole time, P's waits on its own prefill
+        included) > 2x `seconds`: the push mostly waited for P, and the bytes already sent kept
+        crossing the line meanwhile, so `seconds` under-counts the line's time and the rate it
+        implies is an over-read: such a transfer only raises the estimate to its lower bound
+        (bytes / total), it never lowers it nor sets it from the over-read."""
         self.queued = max(0, self.queued - planned)
         if not ok or seconds <= 0:
             return
         if nbytes < self.min_bytes:
             self.latency.add(seconds)
-        else:
-            self.throughput.add(nbytes / max(seconds - self.latency.value, 0.1 * seconds))
-            self.throughput.value = self._capped(self.throughput.value)
-            self.source, self.at = "transfers", time.monotonic()
+            return
+        if total_seconds is not None and total_seconds > 2 * seconds:
+            floor = nbytes / max(total_seconds - self.latency.value, 0.1 * total_seconds)
+            if floor > self.throughput.value:
+                self.throughput.value = self._capped(floor)
+                self.source, self.at = "transfers", time.monotonic()
+            return
+        self.throughput.add(nbytes / max(seconds - self.latency.value, 0.1 * seconds))
+        self.throughput.value = self._capped(self.throughput.value)
+        self.source, self.at = "transfers", time.monotonic()
 
     def seed(self, bytes_per_s: float, latency_s: float | None = None, source: str = "probe") -> None:
         """A probe's measurement replaces the estimate (throughput capped); transfers refine it."""

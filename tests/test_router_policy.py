@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
+
 from pddjax import policy
-from pddjax.policy import PD_CROSS, PD_LOCAL, PDD, Inputs, PolicyConfig, decide
+from pddjax.policy import PD_CROSS, PD_LOCAL, PDD, Inputs, LinkEstimator, PolicyConfig, decide
 
 CFG = PolicyConfig(ttft_budget_s=0.5, filter_cap=0.05, drift_tolerance=0.2, handoff_threshold=64)
 MB = 1e6 / 8  # bytes/s per Mb/s
@@ -164,3 +166,17 @@ def test_md_hit_rate_does_not_drift_when_the_filter_fires():
     # the guard alone (no sync) bounds the drift: a lagging session is not filtered again
     p3, md3, _ = run_trace(sync=False, guard=True, cap=1.0)
     assert md2 < md3 and p3 - md3 < p2 - md2
+
+
+def test_a_transfer_that_mostly_waited_on_prefill_does_not_over_read_the_link():
+    """P's wire time excludes its waits on its own prefill, but bytes sent before a wait kept
+    crossing the line during it: from a prefill-bound push only the lower bound counts."""
+    link = LinkEstimator(prior_mbps=1000.0, prior_latency_s=0.02)
+    link.seed(20e6 / 8, 0.02)  # the probe: 20 Mb/s
+    mb = 1_000_000
+    link.done(0, 10 * mb, seconds=1.0, total_seconds=5.0)  # wire time says 80 Mb/s: an over-read
+    assert 8 * link.throughput.value / 1e6 == pytest.approx(20.0)
+    link.done(0, 10 * mb, seconds=1.0, total_seconds=2.5)  # lower bound 10 MB / 2.48 s = 32 Mb/s: raises
+    assert 8 * link.throughput.value / 1e6 == pytest.approx(8 * 10 * mb / 2.48 / 1e6)
+    link.done(0, 10 * mb, seconds=4.0, total_seconds=4.5)  # link-bound: averaged in as before
+    assert link.throughput.samples == 2 and link.source == "transfers"

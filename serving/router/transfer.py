@@ -109,7 +109,7 @@ class Transfers:
         r.bytes_main, r.main_kv_ms = d.bytes, d.ms
         self.m.wan_bytes(d.bytes)
         if r.link is not None:
-            r.link.done(r.planned, d.bytes, (d.wire_ms or d.ms) / 1e3, ok=not err)
+            r.link.done(r.planned, d.bytes, (d.wire_ms or d.ms) / 1e3, ok=not err, total_seconds=d.ms / 1e3)
             r.link_done = True
         recovery.main_transfer(self.counters, r, err and err.code, d.error)
         if err and r.pipeline == common_pb2.PIPELINE_PD_CROSS:
@@ -174,7 +174,7 @@ class Transfers:
                         d = ev.transfer_done
                         self.m.wan_bytes(d.bytes)
                         ok = not d.code
-                        link.done(planned, d.bytes, (d.wire_ms or d.ms) / 1e3, ok)
+                        link.done(planned, d.bytes, (d.wire_ms or d.ms) / 1e3, ok, total_seconds=d.ms / 1e3)
                         planned = 0
             except grpc.aio.AioRpcError:
                 pass
