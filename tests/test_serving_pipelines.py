@@ -171,6 +171,8 @@ def test_foreign_fingerprint_is_refused(stack, tiny):
     (dict(prompt_ids=[5, 6], max_tokens=0), "max_tokens"),
     (dict(prompt_ids=[5, 6], max_tokens=600), "context"),
     (dict(prompt_ids=[5, 6], top_p=1.5), "top-p"),
+    (dict(prompt_ids=[5, 6], top_k=2**31), "top-k"),  # int32 on every step: used to wedge the engine
+    (dict(prompt_ids=[5, 6], temperature=float("inf")), "temperature"),
     (dict(text="hello"), "tokenizer"),
 ])
 def test_bad_requests_are_invalid_argument(client, kw, words):

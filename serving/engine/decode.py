@@ -72,8 +72,8 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.worker = EngineWorker(self.engine, loop, self._on_step, name=f"engine-{self.role}")
         self.slots = SlotTable(self.engine, self.worker)
-        self.kv = KVReceiver(self.role, self.engine.fingerprint, self.worker, self.slots)
-        self.handoff = Handoff(self.role, self.worker, self.slots)
+        self.kv = KVReceiver(self.role, self.engine.fingerprint, self.worker, self.slots, self.cfg.vocab_size)
+        self.handoff = Handoff(self.role, self.worker, self.slots, self.cfg.vocab_size)
         self._lease_task = loop.create_task(self._expire_leases())
 
     async def _expire_leases(self) -> None:

@@ -51,10 +51,10 @@ class HandoffLate(Exception):
 class Handoff:
     """Both ends of the handoff for one Decode service: `handoff` (on RLD) and `handoff_tokens`
     (on MD), for the requests reserved in `slots`, through `worker`. `role` names this service
-    in log lines and error messages."""
+    in log lines and error messages; token ids at or past `vocab_size` are refused."""
 
-    def __init__(self, role: str, worker: EngineWorker, slots: SlotTable):
-        self.role, self.worker, self.slots = role, worker, slots
+    def __init__(self, role: str, worker: EngineWorker, slots: SlotTable, vocab_size: int):
+        self.role, self.worker, self.slots, self.vocab_size = role, worker, slots, vocab_size
         self.channels: dict[str, grpc.aio.Channel] = {}  # RLD: MD's address -> channel
         # MD: (request, chunk_seq | "final") -> ((start, n, tokens' crc), ack future); outlives
         # the slot, so a retry whose answer was lost is answered even after the request finished here
@@ -136,6 +136,10 @@ class Handoff:
         """MD: append RLD's token IDs (extend-decode them); ack a chunk once caught up."""
         rid = request.request_id
         self.slots.touch(rid)
+        bad = [t for t in request.token_ids if t >= self.vocab_size]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"handoff token {bad[0]} of {rid} is outside "
+                                                                  f"the vocabulary [0, {self.vocab_size})")
         key = (rid, "final" if request.final else request.chunk_seq)
         sig = (request.start_position, len(request.token_ids), zlib.crc32(array.array("I", request.token_ids)))
         if key in self.applied:  # a retry whose answer was lost, or a duplicate: applied once only

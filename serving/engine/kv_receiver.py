@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 class KVReceiver:
     """PushKV of one Decode service: writes the KV of the requests reserved in `slots` into the
     engine's pool through `worker`. `fingerprint` is the model's (a chunk of another model's KV
-    is refused); `role` names this service in error messages."""
+    is refused), `vocab_size` the model's (known tokens past it are refused); `role` names this
+    service in error messages."""
 
-    def __init__(self, role: str, fingerprint: str, worker: EngineWorker, slots: SlotTable):
+    def __init__(self, role: str, fingerprint: str, worker: EngineWorker, slots: SlotTable, vocab_size: int):
         self.role, self.fingerprint, self.worker, self.slots = role, fingerprint, worker, slots
+        self.vocab_size = vocab_size
 
     async def push(self, request_iterator, context) -> cluster_pb2.PushKVResponse:
         """Chunks are read as they come; imports are coalesced: while one import waits for the
@@ -59,6 +61,10 @@ class KVReceiver:
                     batch.append(run)
                 await settle(wait=False)
                 if chunk.last:
+                    bad = [t for t in chunk.known_tokens if t >= self.vocab_size]
+                    if bad:
+                        raise WireError("INVALID_ARGUMENT", f"known token {bad[0]} of {rid} is outside the "
+                                                            f"vocabulary [0, {self.vocab_size})")
                     while pending is not None or batch:  # the import in flight, then the runs queued behind it
                         await settle(wait=True)
                     if not await self.worker.call(self._kv_complete, rid, list(chunk.known_tokens)):

@@ -1,0 +1,110 @@
+"""Values a caller sends never reach an engine out of range (issue 17, defect 1): sampling
+parameters are bounded where they are validated (top_k goes into an int32 array on every step:
+2^31 used to raise on every step and wedge the engine), and token ids that arrive on MD/RLD
+through HandoffTokens or PushKV's known tokens are checked against the vocabulary. A refused
+call is INVALID_ARGUMENT with a sentence, and the engine goes on serving the others."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from pddjax.engines.paged_engine import EngineConfig, PagedEngine
+from pddjax.engines.reference import ReferenceEngine
+from pddjax.model.sampling_params import SamplingParams
+from serving import rpc
+from serving.engine.decode import DecodeService
+from serving.kvwire import chunks
+from serving.pb import cluster_pb2
+
+pytestmark = pytest.mark.timeout(120)
+GREEDY = SamplingParams()
+
+
+@pytest.mark.parametrize("params, words", [
+    (SamplingParams(top_k=2**31), "top-k"),
+    (SamplingParams(top_k=-1), "top-k"),
+    (SamplingParams(temperature=float("nan")), "temperature"),
+    (SamplingParams(temperature=float("inf")), "temperature"),
+    (SamplingParams(temperature=1e6), "temperature"),
+    (SamplingParams(top_p=float("nan")), "top-p"),
+    (SamplingParams(top_p=0.0), "top-p"),
+    (SamplingParams(seed=2**31), "seed"),
+])
+def test_sampling_out_of_range_is_one_sentence(params, words):
+    with pytest.raises(ValueError, match=words):
+        params.validate()
+
+
+def test_sampling_at_its_bounds_is_accepted():
+    SamplingParams(temperature=100.0, top_k=2**31 - 1, top_p=1.0, seed=2**31 - 1).validate()
+
+
+class Refused(Exception):
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class Ctx:
+    async def abort(self, code, message):
+        raise Refused(code, message)
+
+
+async def _aiter(items):
+    for x in items:
+        yield x
+
+
+def _prompt(n, seed):
+    return np.random.default_rng(seed).integers(3, 512, n).tolist()
+
+
+def test_out_of_vocabulary_tokens_are_refused_and_the_engine_serves_on(tiny):
+    vocab = tiny.config.vocab_size
+    cfg = EngineConfig(page_size=16, num_pages=64, max_step_tokens=64, max_rows=4, attention="xla")
+    p_engine = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg)
+    main_engine = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg)
+    ref = ReferenceEngine(tiny.config, tiny.weights)
+    prompts = {k: _prompt(20, i) for i, k in enumerate(("bad-kv", "bad-handoff", "good"))}
+    runs = {}
+    for k, p in prompts.items():
+        p_engine.add(k, p, GREEDY, 1, (), hold_on_finish=True)
+        while p_engine.seqs[k].pages.num_tokens < len(p):
+            p_engine.step()
+        runs[k] = p_engine.export_kv(k, 0, len(p))
+
+    async def main():
+        svc = DecodeService("main", main_engine, tiny.config, {})
+        svc.start(asyncio.get_running_loop())
+        try:
+            for k, p in prompts.items():
+                spec = cluster_pb2.SequenceSpec(request_id=k, prompt=p, sampling=rpc.sampling_to_pb(GREEDY),
+                                                max_tokens=8)
+                await svc.Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=False), Ctx())
+            with pytest.raises(Refused) as kv_err:  # P's first token, out of the vocabulary
+                await svc.PushKV(_aiter(chunks("bad-kv", runs["bad-kv"], 0, [vocab + 7], 4096)), Ctx())
+            await svc.PushKV(_aiter(chunks("bad-handoff", runs["bad-handoff"], 0, [], 4096)), Ctx())
+            with pytest.raises(Refused) as handoff_err:
+                await svc.HandoffTokens(cluster_pb2.HandoffTokensRequest(
+                    request_id="bad-handoff", start_position=0, token_ids=[5, 2**32 - 1], final=True), Ctx())
+            # the engine serves on: a good request decodes to the reference's tokens
+            want = ref.generate(prompts["good"], GREEDY, 8, ()).token_ids
+            await svc.PushKV(_aiter(chunks("good", runs["good"], 0, [want[0]], 4096)), Ctx())
+            slot, out = svc.slots.get("good"), []
+            while True:
+                batch = await asyncio.wait_for(slot.out.get(), 30)
+                out += list(batch.token_ids)
+                if batch.finish_reason:
+                    break
+            return kv_err.value, handoff_err.value, out, want
+        finally:
+            svc.worker.stop()
+
+    kv_err, handoff_err, out, want = asyncio.run(main())
+    assert kv_err.code == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in kv_err.message, kv_err.message
+    assert handoff_err.code == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in handoff_err.message
+    assert out == want
