@@ -145,6 +145,13 @@ class Handoff:
         if key in self.applied:  # a retry whose answer was lost, or a duplicate: applied once only
             first, prev = self.applied[key]
             if first != sig:
+                if request.final:  # the router taking over after RLD died past this final's ack?
+                    rest = await self.worker.call(_behind_final, rid, request.start_position,
+                                                  list(request.token_ids), self.slots, urgent=True)
+                    if rest is not None:
+                        emit_from, toks = rest
+                        return cluster_pb2.HandoffTokensResponse(caught_up_to=emit_from, emit_from=emit_from,
+                                                                 token_ids=toks)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"handoff {key[1]} of {rid} was already applied with other tokens")
             caught = await asyncio.shield(prev)
@@ -194,6 +201,19 @@ class Handoff:
             await context.abort(failure.code, failure.message)
         caught = await fut
         return cluster_pb2.HandoffTokensResponse(caught_up_to=max(caught, 0))
+
+
+def _behind_final(e, rid, start, toks, slots):
+    """Engine thread (MD): a second final for a request whose final was applied. If its tokens
+    agree with MD's (the router's view, a prefix of RLD's), -> (emit_from, the tokens from the
+    caller's end up to emit_from): the stream goes on from there. Else None."""
+    seq, slot = e.seqs.get(rid), slots.get(rid)
+    if seq is None or slot is None or slot.closed or slot.emit_from is None:
+        return None
+    end = start + len(toks)
+    if end > slot.emit_from or seq.generated[start:end] != toks:
+        return None
+    return slot.emit_from, list(seq.generated[end:slot.emit_from])
 
 
 def _snapshot(e, rid):

@@ -80,10 +80,12 @@ async def take_over(counters: collections.Counter, r: Request, seen: list[int]):
         return "MD cannot take over: its KV did not arrive"
     toks = list(seen) or [r.first_token]
     try:
-        await pools.stub(r.main).HandoffTokens(cluster_pb2.HandoffTokensRequest(
+        ack = await pools.stub(r.main).HandoffTokens(cluster_pb2.HandoffTokensRequest(
             request_id=r.rid, start_position=0, token_ids=toks, final=True), timeout=r.deadline.timeout(30))
     except grpc.aio.AioRpcError as e:
         return f"MD cannot take over: {e.details() or e.code().name}"
+    if ack.emit_from > len(toks):  # RLD died after MD applied its final: MD runs from there already
+        toks += list(ack.token_ids)
     counters["main_took_over"] += 1
     print(f"router: {r.rid}: RLD lost after {len(seen)} tokens; MD {r.main.address} took over", file=sys.stderr,
           flush=True)
