@@ -1,7 +1,8 @@
 """`pddjax bench serve` end to end on the tiny model: a 3-session trace (2 history turns, 3
 measured ones, one of them continuing a history turn) through every mode (fresh stacks,
 emulated WAN), the JSON schema the simulator and the issue ask for, the output identity check,
-and the figures helpers on hand-made records."""
+and the figures helpers on hand-made records (the user-side targets: handoff gap, ITL max, e2e,
+compiles after SERVING)."""
 
 from __future__ import annotations
 
@@ -45,19 +46,36 @@ def test_bench_serve_end_to_end_writes_the_schema(tmp_path):
     assert set(res["modes"]) == {"pdd", "pd-cross", "pd-local", "pdd-drc-off"}
     for name, m in res["modes"].items():
         assert m["completed"] == m["requests"] == len(measured), (name, m)
-        assert m["history_errors"] == 0 and m["history_s"] >= 0
+        failed = [x for x in p.stderr.splitlines() if "failed" in x]
+        assert m["history_errors"] == 0 and m["history_s"] >= 0, (name, failed)
         for s in ("p50", "p90", "p99", "max"):
             assert m["ttft_ms"][s] > 0
         assert isinstance(m["wan_bytes"], int) and 0.0 <= m["rld_token_share"] <= 1.0
         assert sum(m["pipelines"].values()) == len(measured)
         for k in ("tpot_ms", "itl_ms", "e2e_ms", "req_per_s", "handoff"):
             assert k in m
+        assert m["itl_ms"]["max"] >= m["itl_ms"]["p99"] and m["e2e_ms"]["p50"] > 0
+        assert set(m["handoff"]["gap_ms"]) >= {"p50", "p99", "max"}
+        c = m["compiles_after_ready"]  # today from the pddjax_jit_compiles difference (warm-up compiles count)
+        assert set(c["per_service"]) == {"prefill", "relay", "main"}, c
+        assert all(isinstance(n, int) and n >= 0 for n in c["per_service"].values()), c
+        assert c["total"] == sum(c["per_service"].values()) and set(c["source"].values()) <= {"gauge", "difference"}
+        assert all(0 <= n <= c["per_service"][r] for r, n in m["compiles_measured"].items()
+                   if c["source"][r] != "gauge")
     assert res["modes"]["pd-local"]["rld_token_share"] == 1.0
     assert res["modes"]["pd-cross"]["rld_token_share"] == 0.0
     assert res["modes"]["pd-local"]["wan_bytes"] < res["modes"]["pd-cross"]["wan_bytes"]
     assert res["modes"]["pdd-drc-off"]["wan_bytes"] > res["modes"]["pdd"]["wan_bytes"]
     assert res["outputs"]["identical"], res["outputs"]
     assert "| pdd |" in p.stdout and "pdd_p99_over_pd_cross" in res["targets"]
+    t = res["targets"]
+    for k in ("pdd_p99_over_pd_local", "pdd_itl_max_over_pd_local", "pdd_e2e_p50_over_pd_local",
+              "compiles_after_ready"):
+        assert set(t[k]) >= {"value", "target", "met"}, (k, t)
+    assert t["compiles_after_ready"]["value"] == sum(m["compiles_after_ready"]["total"] for m in res["modes"].values())
+    if res["modes"]["pdd"]["handoff"]["count"]:
+        assert t["pdd_handoff_gap_p99_over_pd_local_itl_p99"]["target"] == "<= 2"
+    assert "compiles after ready" in p.stdout and "- compiles_after_ready:" in p.stdout
     from tools.hostlab.validate import load_measured
 
     load_measured(out)  # the simulator accepts it
@@ -84,6 +102,39 @@ def test_figures_identity_and_targets_by_hand():
     assert t["pdd_p99_over_pd_local"]["met"] and t["wan_bytes_delivered_drc_off_over_on"]["value"] == 6.0
     assert t["pdd_p99_over_pd_cross"]["met"] == (t["pdd_p99_over_pd_cross"]["value"] <= 0.5)
     assert math.isnan(bf.pct([])["p50"] or math.nan)
+
+
+def test_user_targets_by_hand():
+    """pdd against pd-local: the gap at the switch against pd-local's ITL p99, the worst ITL, the
+    median e2e; and compiles after SERVING summed over modes."""
+    pdd = [rec("a", [1, 2, 3], relay=1, pipeline="pdd"), rec("b", [4, 5], pipeline="pd-cross")]
+    pdd[0].itl_ms, pdd[0].handoff_gap_ms, pdd[0].e2e_ms = [10.0, 35.0], 35.0, 230.0
+    pdd[1].e2e_ms = 170.0
+    local = [rec("a", [1, 2, 3], relay=3, pipeline="pd-local"), rec("b", [4, 5], relay=2, pipeline="pd-local")]
+    local[0].itl_ms, local[0].e2e_ms, local[1].e2e_ms = [10.0, 20.0], 160.0, 180.0
+    m, ml = bf.mode_figures(pdd, 1.0, 0, 0), bf.mode_figures(local, 1.0, 0, 0)
+    assert m["handoff"]["count"] == 1 and m["handoff"]["gap_ms"]["p99"] == 35.0 and m["itl_ms"]["max"] == 35.0
+    assert ml["itl_ms"]["max"] == 20.0 and ml["itl_ms"]["p99"] == 19.8  # 10, 10, 20: p99 interpolated
+    m["compiles_after_ready"] = {"per_service": {"prefill": 0, "relay": 2, "main": 1}, "total": 3, "source": {}}
+    ml["compiles_after_ready"] = {"per_service": {"prefill": 0, "relay": 0, "main": None}, "total": 0, "source": {}}
+    t = bf.targets({"pdd": m, "pd-local": ml})  # gap p99 35 / ITL p99 19.8; ITL max 35 / 20
+    assert t["pdd_handoff_gap_p99_over_pd_local_itl_p99"] == {"value": 1.768, "target": "<= 2",
+                                                             "met": True}
+    assert t["pdd_itl_max_over_pd_local"] == {"value": 1.75, "target": "<= 2", "met": True}
+    assert t["pdd_e2e_p50_over_pd_local"] == {"value": 1.176, "target": "<= 1.15", "met": False}  # 200 / 170
+    assert t["compiles_after_ready"] == {"value": 3, "target": "== 0", "met": False,
+                                         "per_mode": {"pdd": 3, "pd-local": 0}}
+    assert "pdd_p99_over_pd_local" in t and "pdd_p99_over_pd_cross" not in t  # no pd-cross mode
+    table = bf.markdown({"modes": {"pdd": m, "pd-local": ml}, "targets": t,
+                         "outputs": {"identical": True, "compared": 2}})
+    assert "| 10.0 / 34.5 / 35.0 |" in table  # ITL p50 / p99 / max
+    assert "| 35 / 35 / 35 | 0 / 2 / 1 (3) |" in table and "| 0 / 0 / - (0) |" in table
+    assert "- compiles_after_ready: 3 (target == 0: MISSED; per mode pdd 3, pd-local 0)" in table
+    assert "- pdd_e2e_p50_over_pd_local: 1.176 (target <= 1.15: MISSED)" in table
+    # no handoff in pdd, nothing measured for pd-local: those targets are left out, not failed
+    assert "pdd_handoff_gap_p99_over_pd_local_itl_p99" not in bf.targets({"pdd": ml, "pd-local": ml})
+    assert bf.user_targets({"pdd": m}) == {"compiles_after_ready": {"value": 3, "target": "== 0", "met": False,
+                                                                    "per_mode": {"pdd": 3}}}
 
 
 def test_drc_target_counts_kv_the_requests_put_on_the_line():

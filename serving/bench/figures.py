@@ -1,5 +1,7 @@
 """`pddjax bench serve`'s figures: per-mode percentiles and shares, the output-identity check
-across modes, the targets (ratios measured side by side in one run) and the markdown table.
+across modes, the targets (ratios measured side by side in one run: TTFT against pd-cross and
+pd-local, what the user feels against pd-local (`user_targets`), step compiles after SERVING,
+WAN KV with and without DRC) and the markdown table.
 Definitions of TTFT, TPOT, ITL, e2e and the handoff gap: `bench_serve`'s docstring."""
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def targets(modes: dict, per_mode: dict | None = None) -> dict:
     if p99("pdd") and p99("pd-local"):
         r = p99("pdd") / p99("pd-local")
         out["pdd_p99_over_pd_local"] = {"value": round(r, 3), "target": "<= 1.25", "met": r <= 1.25}
+    out.update(user_targets(modes))
     # DRC: the KV the requests put on the line = prompt tokens MD lacked, per request through MD
     # (delivered bytes cannot show it: a 20 Mb/s line carries ~2.5 MB/s whatever is queued).
     # The target compares the same requests (those through MD in both runs): with DRC off the
@@ -94,6 +97,34 @@ def targets(modes: dict, per_mode: dict | None = None) -> dict:
     if "pdd" in modes and "pdd-drc-off" in modes and modes["pdd"]["wan_bytes"]:
         r = modes["pdd-drc-off"]["wan_bytes"] / modes["pdd"]["wan_bytes"]
         out["wan_bytes_delivered_drc_off_over_on"] = {"value": round(r, 2), "target": "info", "met": True}
+    return out
+
+
+def _ratio(out: dict, key: str, num, den, limit: float) -> None:
+    if num is not None and den:
+        r = num / den
+        out[key] = {"value": round(r, 3), "target": f"<= {limit:g}", "met": r <= limit}
+
+
+def user_targets(modes: dict) -> dict:
+    """What the user feels, pdd against the same-datacenter floor (pd-local): the gap at the
+    switch (p99) within 2x pd-local's ITL p99, pdd's worst ITL within 2x pd-local's, pdd's median
+    e2e within 1.15x; and no step compile in any service after it reported SERVING (every mode)."""
+    out: dict = {}
+
+    def fig(mode, key, stat):
+        return ((modes.get(mode) or {}).get(key) or {}).get(stat)
+
+    gap = ((modes.get("pdd") or {}).get("handoff") or {}).get("gap_ms") or {}
+    _ratio(out, "pdd_handoff_gap_p99_over_pd_local_itl_p99", gap.get("p99"), fig("pd-local", "itl_ms", "p99"), 2.0)
+    _ratio(out, "pdd_itl_max_over_pd_local", fig("pdd", "itl_ms", "max"), fig("pd-local", "itl_ms", "max"), 2.0)
+    _ratio(out, "pdd_e2e_p50_over_pd_local", fig("pdd", "e2e_ms", "p50"), fig("pd-local", "e2e_ms", "p50"), 1.15)
+    totals = {m: (f.get("compiles_after_ready") or {}).get("total") for m, f in modes.items()}
+    totals = {m: t for m, t in totals.items() if t is not None}
+    if totals:
+        n = sum(totals.values())
+        out["compiles_after_ready"] = {"value": n, "target": "== 0", "met": n == 0,
+                                       "per_mode": totals}
     return out
 
 
@@ -115,20 +146,27 @@ def markdown(result: dict) -> str:
     def f(x, d=0):
         return "-" if x is None else f"{x:.{d}f}"
 
-    lines = ["| mode | done | TTFT p50 / p90 / p99 / max (ms) | TPOT p50 / p99 | ITL p50 / p99 | e2e p50 / p99 | req/s "
-             "| WAN A->B (MB) | RLD share | pipelines | handoff gap p50 / max |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | done | TTFT p50 / p90 / p99 / max (ms) | TPOT p50 / p99 | ITL p50 / p99 / max | e2e p50 / p99 "
+             "| req/s | WAN A->B (MB) | RLD share | pipelines | handoff gap p50 / p99 / max | compiles after ready "
+             "P / RLD / MD |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in result["modes"].items():
         t, tp, it, e, h = m["ttft_ms"], m["tpot_ms"], m["itl_ms"], m["e2e_ms"], m["handoff"]["gap_ms"]
         pipes = ", ".join(f"{k} {v}" for k, v in sorted(m["pipelines"].items()))
+        c = m.get("compiles_after_ready") or {}
+        per = c.get("per_service") or {}
+        comp = " / ".join(f(per.get(r)) for r in ("prefill", "relay", "main")) + f" ({f(c.get('total'))})"
         lines.append(f"| {name} | {m['completed']}/{m['requests']} | {f(t['p50'])} / {f(t['p90'])} / {f(t['p99'])} / "
-                     f"{f(t['max'])} | {f(tp['p50'], 1)} / {f(tp['p99'], 1)} | {f(it['p50'], 1)} / {f(it['p99'], 1)} | "
-                     f"{f(e['p50'])} / {f(e['p99'])} | {f(m['req_per_s'], 3)} | {m['wan_bytes'] / 1e6:.1f} | "
-                     f"{m['rld_token_share']:.1%} | {pipes} | {f(h['p50'])} / {f(h['max'])} |")
+                     f"{f(t['max'])} | {f(tp['p50'], 1)} / {f(tp['p99'], 1)} | {f(it['p50'], 1)} / {f(it['p99'], 1)} / "
+                     f"{f(it['max'], 1)} | {f(e['p50'])} / {f(e['p99'])} | {f(m['req_per_s'], 3)} | "
+                     f"{m['wan_bytes'] / 1e6:.1f} | {m['rld_token_share']:.1%} | {pipes} | {f(h['p50'])} / "
+                     f"{f(h['p99'])} / {f(h['max'])} | {comp} |")
     lines.append("")
     for k, v in result["targets"].items():
         verdict = "info" if v["target"] == "info" else ("met" if v["met"] else "MISSED")
-        lines.append(f"- {k}: {v['value']} ({'' if verdict == 'info' else 'target ' + v['target'] + ': '}{verdict})")
+        per = "; per mode " + ", ".join(f"{m} {n}" for m, n in v["per_mode"].items()) if v.get("per_mode") else ""
+        goal = "" if verdict == "info" else f"target {v['target']}: "
+        lines.append(f"- {k}: {v['value']} ({goal}{verdict}{per})")
     ident = result["outputs"]
     lines.append(f"- outputs identical across modes: {ident['identical']} ({ident['compared']} requests compared, "
                  f"{ident.get('n_mismatches', 0)} differ)")

@@ -19,25 +19,28 @@ token) / (tokens - 1), i.e. without TTFT; ITL = gaps between token-carrying stre
 a message of k tokens counting k gaps of gap/k; e2e = send -> last token; handoff gap = last
 RLD token -> first MD token as the user sees it (requests that were handed off).
 WAN bytes = emulator bytes A -> B during the replay (KV, handoff messages, gRPC framing).
+compiles_after_ready = step compiles each engine service made after it reported SERVING (the
+warm-up included), per service and in total (`serving.bench.compiles`); compiles_measured =
+those of the measured phase alone.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 
 from pddjax.errors import UserError
+from serving.bench import compiles
 from serving.bench.figures import identity_check, markdown, mode_figures, targets
 from serving.bench.replay import Record, replay, warmup
-from serving.engine.steplog import stat_cpu_s
+from serving.bench.stack import BenchStack, cluster_cpus
+
+__all__ = ["MODES", "BenchStack", "Record", "cluster_cpus", "register", "run"]
 
 MODES = {"pdd": "auto", "pd-cross": "pd-cross", "pd-local": "pd-local", "pdd-drc-off": "auto"}
 # Default emulated WAN: see WORKSPACE_NOTES.md "WAN scaling". SmolLM2-135M f32 KV is 46,080 B/token:
@@ -99,106 +102,6 @@ def read_trace_seed(path: str) -> int:
         except json.JSONDecodeError:
             return 0
     return int(head.get("config", {}).get("seed", 0)) if head.get("format") == "pddjax-trace" else 0
-
-
-# ---- one stack -------------------------------------------------------------------------
-class LinkThread:
-    """The WanLink on its own event-loop thread (so the benchmark's sync clients can run)."""
-
-    def __init__(self, target: str, wan: dict):
-        from serving.stack.wanlink import WanLink
-
-        self.link = WanLink.from_settings(target, wan)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="wanlink", daemon=True)
-        self.thread.start()
-        self.address = asyncio.run_coroutine_threadsafe(self.link.start(), self.loop).result(10)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.link.close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-def cluster_cpus() -> dict[str, list[int]]:
-    """Cores per service, as on separate accelerators: P gets its own (a P instance is its own
-    GPU in the report, and TTFT is mostly P's prefill), the decoders get the rest: with 3+ CPUs
-    RLD and MD get a third each (MD's own cores are its own datacenter); with 2, RLD and MD share
-    the second core (they overlap only until a handoff). The router and this process (client
-    threads, the WAN emulator) float: on 2 CPUs, putting them on the decoders' core overloaded
-    it (TTFT P99 of every mode +50-200%). Unpinned, every service's work slows
-    every other's on one host, which no real deployment sees. One CPU: nothing pinned."""
-    cpus = sorted(os.sched_getaffinity(0))
-    n = len(cpus)
-    if n < 2:
-        return {}
-    if n == 2:
-        return {"prefill": cpus[:1], "relay": cpus[1:], "main": cpus[1:]}
-    k = n // 3
-    return {"prefill": cpus[: n - 2 * k], "relay": cpus[n - 2 * k: n - k], "main": cpus[n - k:]}
-
-
-class BenchStack:
-    """P, RLD, MD, router as `pddjax serve` processes; P and RLD reach MD through the WAN link."""
-
-    def __init__(self, stack: dict, workdir: str, timeout: float = 600.0, pin: bool = True):
-        from serving.stack.up import spawn, wait_ready, write_json
-
-        self.children, self.link, self.router_child, self.workdir, self.cpus = [], None, None, workdir, {}
-        self.timeout = timeout
-        self.log = open(os.path.join(workdir, "services.log"), "ab")
-        try:
-            cfg = os.path.join(workdir, "stack.json")
-            write_json(cfg, stack)
-            self.cpus = cluster_cpus() if pin else {}
-            self.children = [spawn(r, cfg, workdir, log=self.log, cpus=self.cpus.get(r))
-                             for r in ("prefill", "relay", "main")]
-            asyncio.run(wait_ready(self.children, timeout))
-            addr = {c.role: c.address for c in self.children}
-            self.link = LinkThread(addr["main"], stack.get("wan", {}))
-            rstack = {**stack, "router": {**stack.get("router", {}), "prefill": addr["prefill"],
-                                          "relay": addr["relay"], "main": addr["main"], "main_wan": self.link.address}}
-            self.router_cfg = os.path.join(workdir, "router.json")
-            write_json(self.router_cfg, rstack)
-            self.start_router()
-        except BaseException:
-            self.close()
-            raise
-
-    def start_router(self) -> None:
-        """(Re)start the router: after the history phase, so its link estimates, session
-        tracker and counters start fresh while P's and MD's caches stay warm."""
-        from serving.stack.up import spawn, stop_all, wait_ready
-
-        if self.router_child is not None:
-            stop_all([self.router_child])
-            self.children.remove(self.router_child)
-            os.remove(self.router_child.ready_file)
-        self.router_child = spawn("router", self.router_cfg, self.workdir, log=self.log)
-        self.children.append(self.router_child)
-        asyncio.run(wait_ready([self.router_child], self.timeout))
-        self.router = self.router_child.address
-
-    def cpu_s(self) -> dict[str, float]:
-        """CPU seconds (user + system, all threads) each service and this process (the bench
-        client and the WAN link) have used so far."""
-        out = {c.role: _proc_cpu_s(c.proc.pid) for c in self.children}
-        t = os.times()
-        out["bench"] = t.user + t.system
-        return out
-
-    def close(self) -> None:
-        from serving.stack.up import stop_all
-
-        stop_all(self.children)
-        if self.link is not None:
-            self.link.close()
-            self.link = None
-        self.log.close()
-
-
-def _proc_cpu_s(pid: int) -> float:
-    got = stat_cpu_s(f"/proc/{pid}/stat")
-    return float("nan") if got is None else got[1]
 
 
 # ---- the command -----------------------------------------------------------------------
@@ -315,6 +218,7 @@ def run(args) -> int:
             counters["before"] = link.stats()
             counters["cpu_before"] = stack.cpu_s()
             counters["t_before"] = time.time()
+            counters["compiles_before"] = compiles.read(stack.engines())
             return stack.router
 
         try:
@@ -332,6 +236,7 @@ def run(args) -> int:
                                                           before_measure=measure_from_here)
             after = link.stats()
             cpu_after = stack.cpu_s()
+            compiles_end = compiles.read(stack.engines())
             window = [round(counters["t_before"], 3), round(time.time(), 3)]
             pids = {c.role: c.proc.pid for c in stack.children}
         finally:
@@ -348,6 +253,10 @@ def run(args) -> int:
         # CPU each process used during the measured phase (the simulator's host model checks against it)
         figures[mode]["cpu_s"] = {k: round(v - counters["cpu_before"].get(k, 0.0), 2) for k, v in cpu_after.items()}
         figures[mode]["window"], figures[mode]["pids"] = window, pids  # for PDDJAX_STEP_LOG timelines
+        # step compiles after each engine service reported SERVING (warm-up included: the target is
+        # none at all), and those of the measured phase alone
+        figures[mode]["compiles_after_ready"] = compiles.after_ready(stack.compiles_at_ready, compiles_end)
+        figures[mode]["compiles_measured"] = compiles.during(counters.get("compiles_before", {}), compiles_end)
         errs = [r.error for r in records + history if r.error]
         if errs:
             print(f"{mode}: {len(errs)} requests failed, first: {errs[0]}", file=sys.stderr)
