@@ -4,7 +4,9 @@ Names every service exports: pddjax_rpc_total{method,code}, pddjax_rpc_seconds{m
 pddjax_rpc_inflight, and for engine roles pddjax_kv_pages_active (pages held by in-flight
 requests; returns to 0 when idle; prefix-cache-only pages not counted), pddjax_kv_pages_used
 (all allocated pages, prefix cache included), pddjax_kv_pages_total, pddjax_engine_sequences,
-pddjax_engine_steps_total, pddjax_engine_queue_depth. The router adds its own (TTFT, ITL,
+pddjax_engine_steps_total, pddjax_engine_queue_depth, pddjax_jit_compiles / pddjax_jit_executables
+(step and KV copy variants built / held) and pddjax_jit_compiles_after_ready (built since the
+service reported SERVING: 0 when its precompiled shape set covers the load). The router adds its own (TTFT, ITL,
 admission, pipelines, handoffs, failures, WAN bytes: `router_metrics.py`) on `registry`.
 The endpoint listens on an ephemeral port of the service's host; its URL goes in the ready file
 and in `pddjax up`'s state file.
@@ -35,6 +37,9 @@ class ServiceMetrics:
         self.queue_depth = Gauge("pddjax_engine_queue_depth", "commands waiting for the engine thread", registry=r)
         self.compiles = Gauge("pddjax_jit_compiles", "jitted step / KV copy variants built in this process",
                               registry=r)
+        self.compiles_after_ready = Gauge("pddjax_jit_compiles_after_ready",
+                                          "jitted step / KV copy variants built since the service reported SERVING",
+                                          registry=r)
         self.executables = Gauge("pddjax_jit_executables", "jitted step / KV copy variants held in memory now",
                                  registry=r)
         self.url: str | None = None
@@ -54,4 +59,5 @@ class ServiceMetrics:
         self.steps.set(snap["steps"])
         self.queue_depth.set(snap["queue_depth"])
         self.compiles.set(snap.get("compiles", 0))
+        self.compiles_after_ready.set(snap.get("compiles_after_ready", 0))
         self.executables.set(snap.get("executables", 0))

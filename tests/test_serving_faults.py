@@ -232,8 +232,8 @@ def test_chunk_checksum_covers_every_field_a_receiver_acts_on(field):
 
 def test_handoff_tokens_are_applied_once_per_request_and_chunk(stack, ref):
     """MD keys the token-ID handoff by (request, chunk_seq | final): a repeat (RLD retrying after
-    a lost answer) is answered like the first and changes nothing; the same key with other
-    tokens is refused. MD's stream then carries every later token exactly once."""
+    a lost answer) is answered like the first and changes nothing; the same key with tokens
+    that disagree with MD's is refused. MD's stream then carries every later token exactly once."""
     p_addr, md_addr = stack.live("prefill")[0], stack.live("main")[0]
     rid, p = "once-1", prompt(40, 1)
     want = ref(p, 12)
@@ -258,9 +258,12 @@ def test_handoff_tokens_are_applied_once_per_request_and_chunk(stack, ref):
         first = send(0, 3, False, 0)
         assert send(0, 3, False, 0) == first >= 3  # a chunk, then its retry: the same answer
         assert send(3, 3, True, 1) == send(3, 3, True, 1)  # the final, then its retry
-        with pytest.raises(grpc.RpcError) as e:
-            send(0, 6, True, 1)  # another final for the same request
+        with pytest.raises(grpc.RpcError) as e:  # another final for the same request, other tokens
+            md.HandoffTokens(cluster_pb2.HandoffTokensRequest(
+                request_id=rid, start_position=0, token_ids=[*want[:5], (want[5] + 1) % 512], final=True,
+                chunk_seq=1), timeout=30)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # (another final that agrees with MD, the router taking over: tests/test_handoff_takeover.py)
         reader.join(60)
         md.Release(cluster_pb2.ReleaseRequest(request_id=rid, cancel=True), timeout=10)
     positions = [b.start_position for b in out if b.token_ids]

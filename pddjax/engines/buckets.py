@@ -1,5 +1,6 @@
-"""Shape buckets: every jitted step sees one of a few shapes, so a steady workload never
-recompiles. Plain Python (no jax)."""
+"""Step shape buckets, plain Python (no jax; the simulator uses them): the per-dimension
+buckets (T, B, MP, Q) and the stated set of shapes an engine runs (`bucket_set`), all built
+before it serves, with `fit` / `fit_row` to pad a step into it. Nothing compiles on demand."""
 
 from __future__ import annotations
 
@@ -41,3 +42,88 @@ def padded_past(limit: float, taken: list[int], n: int) -> bool:
         return False
     B, Q = row_bucket(len(taken) + 1), q_len_bucket(max(max(taken), n))
     return B * Q > limit * token_bucket(sum(taken) + n)
+
+
+# ---- the stated bucket set: every step shape an engine runs, compiled before it serves ----
+
+Shape = tuple[int, int, int, int]  # (T tokens, B rows, MP page-table width, Q max row length)
+MIN_CHUNK = 16  # the smallest step with a row of several tokens
+MIN_WIDTH = 8  # the narrowest page table (pages)
+
+
+def ladder(lo: int, hi: int, factor: int) -> list[int]:
+    """lo, lo*factor, ... below hi, then hi itself (hi >= lo)."""
+    out, v = [], lo
+    while v < hi:
+        out.append(v)
+        v *= factor
+    return out + [hi]
+
+
+def max_width(config, model_config) -> int:
+    """The widest page table a sequence can need: its context, at most the pool (page 0 scratch)."""
+    pages = min(-(-model_config.max_context // config.page_size), config.num_pages - 1)
+    return pow2_at_least(pages, MIN_WIDTH)
+
+
+def bucket_set(config, model_config) -> list[Shape]:
+    """Every (T, B, MP, Q) the engine of `config` (an EngineConfig) for `model_config` (a
+    ModelConfig) runs, cheapest first; `PagedEngine.precompile()` builds them all before the
+    service reports SERVING, and the scheduler only forms steps that fit one (`fit`).
+
+    Tmax = pow2(max_step_tokens), Bmax = pow2(max_rows), Wmax = `max_width`; ladders x2
+    unless said (each ends at its max):
+    decode  every row one token: T = B in 1, 2, 4 .. Bmax; Q = 1; MP in 8, 16, 32 .. Wmax.
+    chunk   one row of several tokens (a prefill chunk, a lone extend): B = 1, Q = T in
+            16, 32 .. Tmax; MP in 32, 64 .. Wmax.
+    mixed   several rows, one or more of several tokens (extend / tail chunks riding with
+            decode rows): B in 4, 16 .. Bmax (x4), Q = T in 16, 64, 256 .. Tmax (x4), MP as chunk.
+    Why: decode is the hot path and pays for its page-table width on every step (the XLA
+    gather copies B x MP pages per layer), so rows and widths keep the x2 ladders there;
+    steps with a long row cost their T matmuls plus [B, Q] x [B, MP*S] attention, so Q is
+    tied to T (prompt rows then never share a step: pad_limit), and short rows pad up to 16
+    tokens; mixed steps are rarer (handoffs) and get the coarse row and token ladders.
+    Greedy and sampled rows share every variant (the step picks its sampler at run time).
+    Sizes: configs/tiny.toml 22; configs/pddjax.toml P and MD 90, RLD 74."""
+    t_max, b_max = pow2_at_least(config.max_step_tokens), pow2_at_least(config.max_rows)
+    w_max = max_width(config, model_config)
+    widths = ladder(min(4 * MIN_WIDTH, w_max), w_max, 2)
+    decode = [(b, b, w, 1) for b in ladder(1, b_max, 2) for w in ladder(MIN_WIDTH, w_max, 2)]
+    chunk = [] if t_max < 2 else [(t, 1, w, t) for t in ladder(min(MIN_CHUNK, t_max), t_max, 2) for w in widths]
+    mixed = [] if t_max < 2 or b_max < 2 else [
+        (t, b, w, t) for t in ladder(min(MIN_CHUNK, t_max), t_max, 4) for b in ladder(min(4, b_max), b_max, 4)
+        if b <= t for w in widths]
+    return sorted(set(decode + chunk + mixed), key=lambda s: step_cost(s, config.page_size))
+
+
+def step_cost(shape: Shape, page_size: int) -> int:
+    """A rough relative cost, to pick the cheapest covering member: the T matmuls, the
+    [B, Q] x [B, MP*S] attention and the B x MP page gather (weights from measured steps)."""
+    T, B, MP, Q = shape
+    return 4096 * T + B * Q * MP * page_size + 8 * B * MP * page_size
+
+
+def covers(shape: Shape, tokens: int, rows: int, width: int, q: int) -> bool:
+    T, B, MP, Q = shape
+    return tokens <= T and rows <= B and width <= MP and q <= Q
+
+
+def fit(members: list[Shape], tokens: int, rows: int, width: int, q: int) -> Shape | None:
+    """The cheapest member (members sorted by cost) holding a step of `tokens` packed tokens,
+    `rows` rows, `width` pages in its widest row and `q` tokens in its longest; None if none."""
+    for m in members:
+        if covers(m, tokens, rows, width, q):
+            return m
+    return None
+
+
+def fit_row(members: list[Shape], tokens: int, rows: int, width: int, q: int, start: int, n: int,
+            page_size: int) -> int:
+    """The most tokens (<= n) of a row whose KV starts at `start` that can join a step of
+    `tokens` / `rows` / `width` / `q` so far (rows = 0: the first row) and still fit a member;
+    0 if none fits even one."""
+    best = 0
+    for T, B, MP, Q in members:
+        if B > rows and MP >= width and Q >= q:
+            best = max(best, min(n, T - tokens, Q, MP * page_size - start))
+    return best

@@ -8,7 +8,9 @@ A request's life on an engine:
   append_tokens()  optional: token IDs produced elsewhere (the RLD -> MD handoff);
   step()           every sequence with pending tokens becomes one row of a packed batch:
                    prefill chunk, multi-token extend or one-token decode, all in one forward;
-                   a row that catches up samples the next token;
+                   a row that catches up samples the next token; the batch is padded to a
+                   member of the engine's stated shape set (`buckets.bucket_set`), never
+                   to a shape outside it (`precompile()` builds them all up front);
   export_kv()      read tokens' KV out in the canonical form (P -> RLD/MD);
   release()        insert the computed context into the prefix cache, drop the page refs.
 """
@@ -60,6 +62,7 @@ class PagedEngine:
         self.allocator = PageAllocator(config.num_pages)
         self.radix = RadixCache(config.page_size, self.allocator)
         self.seqs: dict[str, Sequence] = {}
+        self.shapes = buckets.bucket_set(config, cfg)  # every (T, B, MP, Q) a step may have
         self.num_steps = 0
         self.last_shape: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # (T, B, MP, Q, rows) of the last step
 
@@ -147,23 +150,27 @@ class PagedEngine:
     def step(self, return_logits: bool = False):
         """Run one packed step over all sequences with pending tokens -> list[TokenEvent]
         (plus {seq_id: logits [V]} when return_logits)."""
-        rows, budget = [], self.config.max_step_tokens
+        rows, budget, S = [], self.config.max_step_tokens, self.config.page_size
+        packed = width = q = 0  # the step so far: packed tokens, widest page table, longest row
         for seq in sorted((s for s in self.seqs.values() if s.num_pending), key=lambda s: s.num_pending):
             if len(rows) == self.config.max_rows or budget == 0:
                 break
-            n = min(seq.num_pending, budget)
-            if rows and n > 1 and buckets.padded_past(self.config.pad_limit, [k for _, k in rows], n):
+            start = seq.pages.num_tokens
+            n = buckets.fit_row(self.shapes, packed, len(rows), width, q, start, min(seq.num_pending, budget), S)
+            if n == 0 or (rows and n > 1 and self._pads_past(rows, packed + n, max(width, pages_needed(start + n, S)),
+                                                               max(q, n))):
                 break
             rows.append((seq, n))
-            budget -= n
+            budget, packed, q = budget - n, packed + n, max(q, n)
+            width = max(width, pages_needed(start + n, S))
         if not rows:
             return ([], {}) if return_logits else []
-        batch, sample_rows, greedy = self._build(rows)
-        sp = self._sampling_arrays(rows, len(batch.kv_lens))
-        q = buckets.q_len_bucket(max(n for _, n in rows))
-        self.last_shape = (len(batch.tokens), len(batch.kv_lens), batch.page_tables.shape[1], q, len(rows))
+        shape = buckets.fit(self.shapes, packed, len(rows), width, q)
+        batch, sample_rows, greedy = self._build(rows, shape)
+        sp = self._sampling_arrays(rows, shape[1])
+        self.last_shape = (*shape, len(rows))
         tokens, logits, self.pool = run_step(
-            self.weights, self.cfg, batch, self.pool, *sp, max_q_len=q,
+            self.weights, self.cfg, batch, self.pool, *sp, max_q_len=shape[3],
             impl=self.config.attention, greedy=greedy, return_logits=return_logits)
         self.num_steps += 1
         tokens = np.asarray(tokens)
@@ -181,11 +188,18 @@ class PagedEngine:
                 self.release(seq.seq_id)
         return (events, row_logits) if return_logits else events
 
-    def _build(self, rows):
+    def _pads_past(self, rows, tokens: int, width: int, q: int) -> bool:
+        """Would one more prompt row pad a step of prompt rows past pad_limit? The padded query
+        block B x Q of the member the step would take against pad_limit x T (EngineConfig).
+        Steps with a decode row (tail chunks ride with decodes) are never limited."""
+        if self.config.pad_limit <= 0 or min(n for _, n in rows) == 1:
+            return False
+        T, B, _, Q = buckets.fit(self.shapes, tokens, len(rows) + 1, width, q)
+        return B * Q > self.config.pad_limit * T
+
+    def _build(self, rows, shape: buckets.Shape):
         S = self.config.page_size
-        total = sum(n for _, n in rows)
-        T, B = buckets.token_bucket(total), buckets.row_bucket(len(rows))
-        MP = buckets.pages_bucket(max(pages_needed(s.pages.num_tokens + n, S) for s, n in rows))
+        T, B, MP, _ = shape
         tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
         slot_pages, slot_offsets = np.full(T, NULL_PAGE, np.int32), np.zeros(T, np.int32)
         cu, kv_lens = np.zeros(B + 1, np.int32), np.zeros(B, np.int32)
@@ -219,6 +233,13 @@ class PagedEngine:
             p = seq.params
             seeds[r], steps[r], topk[r], temp[r], topp[r] = p.seed, len(seq.generated), p.top_k, p.temperature, p.top_p
         return tuple(jnp.asarray(a) for a in (seeds, steps, temp, topk, topp))
+
+    def precompile(self) -> tuple[int, float]:
+        """Build every step variant of the stated set and the KV copies' token buckets before
+        serving -> (variants, seconds). See `pddjax.engines.precompile`."""
+        from pddjax.engines.precompile import precompile
+
+        return precompile(self)
 
     # ---- KV out, release -------------------------------------------------------------
     def export_kv(self, seq_id: str, start: int = 0, end: int | None = None) -> KVRun:

@@ -1,15 +1,19 @@
 """The one jitted compute entry point of the paged engines: a packed ragged batch in, one
 sampled token per row out, the KV pool donated and updated in place.
 
-Static: model config, attention implementation, max row length bucket, greedy fast path.
+Static: model config, attention implementation, max row length Q, return_logits (tests).
+Greedy is an argument, not a static: `lax.cond` runs argmax or the sampler, so greedy and
+sampled steps share one executable per shape.
 
-Every distinct shape key (T, B, MP, Q buckets, flags) is its own XLA executable, a few MB of
-host memory each, and a serving process under a varied load meets hundreds of keys over
-hours. `run_step` therefore keeps at most `PDDJAX_STEP_EXECUTABLES` (default 128) compiled
+Every distinct shape key (T, B, MP, Q) is its own XLA executable, a few MB of host memory
+each. An engine runs only the shapes of its stated set (`buckets.bucket_set`) and builds them
+all before it serves (`PagedEngine.precompile` -> `build`). `run_step` keeps at most
+`PDDJAX_STEP_EXECUTABLES` (default 128, raised by `precompile` to hold its set) compiled
 variants, least recently used evicted first; an evicted key comes back from the persistent
 compilation cache on disk (`jax_setup`), not from a fresh compile. Evicting an executable is
 not enough to bound memory: JAX's own tracing and lowering caches keep every shape ever
 lowered (~1-2 MB each here), so every `TRIM_EVERY` evictions `jax.clear_caches()` drops them
+(and every jitted function's cache: the KV copies reload from disk on next use)
 and `malloc_trim` hands the freed heap back (measured on the tiny model, 140 builds of
 ~60 distinct shapes at a cap of 8: RSS 440 -> 603 MB and rising without, flat ~290 with). `compile_count()` counts
 variants built in this process (tests assert a steady workload adds none),
@@ -25,6 +29,7 @@ import os
 import threading
 
 import jax
+import jax.numpy as jnp
 
 from pddjax.model.paged import PackedBatch, forward_paged
 from pddjax.model.sampling import sample
@@ -33,13 +38,16 @@ DEFAULT_EXECUTABLES = 128
 TRIM_EVERY = 8  # evictions between clearing JAX's internal caches
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q_len", "impl", "greedy", "return_logits"),
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q_len", "impl", "return_logits"),
                    donate_argnames=("pool",))
-def _step(w, batch: PackedBatch, pool, seeds, steps, temperature, top_k, top_p, *,
-          cfg, max_q_len: int, impl: str, greedy: bool, return_logits: bool = False):
-    # seeds, steps, top_k: [B] int32; temperature, top_p: [B] float32 -> tokens [B], pool
+def _step(w, batch: PackedBatch, pool, seeds, steps, temperature, top_k, top_p, greedy, *,
+          cfg, max_q_len: int, impl: str, return_logits: bool = False):
+    # seeds, steps, top_k: [B] int32; temperature, top_p: [B] float32; greedy: [] bool
+    # -> tokens [B] int32, logits [B, V] or None, pool
     logits, pool = forward_paged(w, cfg, batch, pool, max_q_len=max_q_len, impl=impl)  # [B, V]
-    tokens = sample(logits, seeds, steps, temperature, top_k, top_p, greedy_only=greedy)
+    sp = (seeds, steps, temperature, top_k, top_p)
+    tokens = jax.lax.cond(greedy, lambda lg, sp: sample(lg, *sp, greedy_only=True),
+                          lambda lg, sp: sample(lg, *sp), logits, sp)  # [B]
     return tokens, (logits if return_logits else None), pool
 
 
@@ -55,6 +63,11 @@ class Executables:
         self.resize(capacity)
 
     def __call__(self, args: tuple, statics: dict):
+        return self.build(args, statics)(*args)
+
+    def build(self, args: tuple, statics: dict):
+        """The executable for these arguments' shapes and statics: held, or compiled now (from
+        the persistent cache on disk when it has it). Nothing runs."""
         leaves, tree = jax.tree_util.tree_flatten(args)
         key = (tree, tuple(sorted(statics.items())),
                tuple((x.shape, x.dtype, getattr(x, "sharding", None), getattr(x, "weak_type", False)) for x in leaves))
@@ -68,7 +81,7 @@ class Executables:
                 self.built += 1
                 self._lru[key] = fn
                 self._evict_to(self.capacity)
-        return fn(*args)
+        return fn
 
     def resize(self, capacity: int) -> None:
         """Change the cap; evicts the least recently used down to it at once."""
@@ -110,12 +123,28 @@ def _release_jax_caches() -> None:
 _executables = Executables(int(os.environ.get("PDDJAX_STEP_EXECUTABLES", DEFAULT_EXECUTABLES)))
 
 
+def _arguments(w, cfg, batch, pool, sampling, greedy, max_q_len, impl, return_logits):
+    args = (w, batch, pool, *sampling, jnp.asarray(bool(greedy)))
+    return args, {"cfg": cfg, "max_q_len": max_q_len, "impl": impl, "return_logits": return_logits}
+
+
 def run_step(w, cfg, batch: PackedBatch, pool, seeds, steps, temperature, top_k, top_p, *,
              max_q_len: int, impl: str, greedy: bool, return_logits: bool = False):
     """-> (tokens [B] int32, logits [B, V] or None, pool). `pool` is donated: use the one returned."""
-    return _executables((w, batch, pool, seeds, steps, temperature, top_k, top_p),
-                        {"cfg": cfg, "max_q_len": max_q_len, "impl": impl, "greedy": greedy,
-                         "return_logits": return_logits})
+    args, statics = _arguments(w, cfg, batch, pool, (seeds, steps, temperature, top_k, top_p), greedy,
+                               max_q_len, impl, return_logits)
+    return _executables(args, statics)
+
+
+def build_step(w, cfg, batch: PackedBatch, pool, sampling: tuple, *, max_q_len: int, impl: str) -> None:
+    """Compile (or load) the serving variant of these shapes without running it."""
+    args, statics = _arguments(w, cfg, batch, pool, sampling, False, max_q_len, impl, False)
+    _executables.build(args, statics)
+
+
+def release_tracing_caches() -> None:
+    """After building many variants: drop JAX's per-shape lowering caches (held executables stay)."""
+    _release_jax_caches()
 
 
 def compile_count() -> int:

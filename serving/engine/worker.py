@@ -38,6 +38,7 @@ class EngineWorker:
         self._stop = False
         self.steps = 0
         self.metrics = None  # a ServiceMetrics: engine gauges are set from this thread (<= 4 per s, and when idle)
+        self.compiles_at_ready: int | None = None  # compile count when the service went SERVING
         self._snapshot_at = 0.0
         self.log = StepLog.from_env(name)  # None unless PDDJAX_STEP_LOG is set
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -126,16 +127,31 @@ class EngineWorker:
         """The step log's timer for a block on this thread (nothing without a log)."""
         return self.log.timed(name, shape) if self.log is not None else contextlib.nullcontext()
 
+    @staticmethod
+    def compiles() -> int:
+        """Jitted step / KV copy variants built in this process so far."""
+        from pddjax.engines.step import compile_count  # the engine's process has jax loaded
+        from pddjax.kv.canonical import compiled_variants
+
+        return compile_count() + compiled_variants()
+
+    def mark_ready(self) -> None:
+        """The service reports SERVING now: compiles after this are counted apart."""
+        self.compiles_at_ready = self.compiles()
+
     def snapshot(self) -> dict:
         """Engine occupancy, read on the engine thread."""
-        from pddjax.engines.step import compile_count, resident_count  # the engine's process has jax loaded
+        from pddjax.engines.step import resident_count
         from pddjax.kv.canonical import compiled_variants
 
         e = self.engine
+        compiles = self.compiles()
+        at_ready = compiles if self.compiles_at_ready is None else self.compiles_at_ready
         alloc = getattr(e, "allocator", None)
         return {"pages_active": getattr(e, "num_pages_active", 0), "pages_used": alloc.num_used if alloc else 0,
                 "pages_total": alloc.capacity if alloc else 0, "sequences": len(e.seqs), "steps": self.steps,
-                "queue_depth": self._q.qsize(), "compiles": compile_count() + compiled_variants(),
+                "queue_depth": self._q.qsize(), "compiles": compiles,
+                "compiles_after_ready": compiles - at_ready,
                 "executables": resident_count() + compiled_variants()}
 
 

@@ -1,9 +1,11 @@
 """Build and run one service process: `pddjax serve {prefill,relay,main,router}`.
 
 Engine roles: configure JAX for the role's platform, load the model, build a PagedEngine
-from the role's engine table, start its engine thread, then serve. The port and the metrics
-endpoint open first: while the model loads, grpc.health.v1 says NOT_SERVING and every RPC
-answers UNAVAILABLE (lifecycle.Gate). A `ready_file` (JSON {role, pid, address, metrics}) is
+from the role's engine table, precompile its whole step shape set (`PagedEngine.precompile`:
+one log line with the count and seconds), start its engine thread, then serve; from SERVING
+on `pddjax_jit_compiles_after_ready` counts what compiles anyway (0 expected). The port and
+the metrics endpoint open first: while the model loads and compiles, grpc.health.v1 says
+NOT_SERVING and every RPC answers UNAVAILABLE (lifecycle.Gate). A `ready_file` (JSON {role, pid, address, metrics}) is
 written once serving. SIGTERM/SIGINT drain: new RPCs get UNAVAILABLE, in-flight ones finish
 (up to DRAIN_SECONDS), then the server stops.
 """
@@ -53,6 +55,9 @@ def build_servicer(cfg: ServiceConfig):
     model = load_model(cfg.model)
     ecfg = EngineConfig(**cfg.engine)
     engine = PagedEngine(model.config, model.weights, model.fingerprint, ecfg)
+    variants, seconds = engine.precompile()
+    print(f"pddjax {cfg.role} precompiled {variants} variants ({len(engine.shapes)} step shapes) in {seconds:.1f} s",
+          flush=True)
     info = dict(role=rpc.ROLE_NAMES[cfg.role], model=model.config.name, fingerprint=model.fingerprint, dtype=ecfg.dtype,
                 page_size=ecfg.page_size, num_pages=ecfg.num_pages, prefix_cache=ecfg.prefix_cache,
                 num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads,
@@ -93,6 +98,7 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
     worker = getattr(servicer, "worker", None)
     if worker is not None:
         worker.metrics = metrics
+        worker.mark_ready()  # compiles from here on: pddjax_jit_compiles_after_ready
     if hasattr(servicer, "attach_metrics"):
         servicer.attach_metrics(metrics)
     gate.ready(servicer)
