@@ -39,7 +39,10 @@ class PolicyConfig:
     filter_cap: float = 0.05  # at most this share of recent decisions is filtered (pd-local)
     filter_window: int = 200  # decisions the share is measured over
     drift_tolerance: float = 0.2  # session MD hit may lag its P hit by this fraction of the prompt
-    handoff_threshold: int = 64
+    # The final handoff chunk carries at most this many tokens: above it RLD sends catch-up chunks
+    # while it decodes on (MD extends them, then decodes ahead, held), so the switch waits for a
+    # short tail only. Measured (tools/handoff_gap.py, WORKSPACE_NOTES): 4 halves the gap of 64.
+    handoff_threshold: int = 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,15 +59,17 @@ def doc_message(year: int = 1911) -> str:
 
 
 def start_stack(state: str) -> subprocess.Popen:
+    from serving.stack.up import READY_SECONDS
+
     proc = subprocess.Popen([sys.executable, "-m", "pddjax", "up", "--port", "0", "--state", state, *WAN],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + READY_SECONDS + 120  # pddjax up waits READY_SECONDS for its services
     while not os.path.exists(state):
         if proc.poll() is not None:
             raise SystemExit(f"pddjax up failed:\n{proc.stdout.read()}")
         if time.monotonic() > deadline:
             proc.terminate()
-            raise SystemExit("pddjax up did not start within 10 minutes")
+            raise SystemExit(f"pddjax up did not start within {READY_SECONDS + 120:.0f} s")
         time.sleep(0.2)
     return proc
 
@@ -155,7 +157,9 @@ def main() -> int:
     cfg, tok = model_facts("smollm2-135m")  # tokenizer only: shows which text each tier made
 
     state = os.path.join(tempfile.mkdtemp(prefix="pddjax-demo-"), "state.json")
-    print("starting the stack: pddjax up " + " ".join(WAN) + " (P, RLD, MD, router; real model) ...", flush=True)
+    print("starting the stack: pddjax up " + " ".join(WAN) + " (P, RLD, MD, router; real model) ...\n"
+          "  each engine compiles its step shapes before it serves: ~20 s with a warm compile cache,\n"
+          "  several minutes the first time on a fresh machine", flush=True)
     t0 = time.perf_counter()
     proc = start_stack(state)
     try:

@@ -89,7 +89,7 @@ class ClusterConfig:
     fast_gbps: float = 400.0  # intra-datacenter RDMA per sending instance
     fast_latency_s: float = 10e-6
     handoff: str = "chunked"  # "chunked" (extend-decode handoff) or "oneshot"
-    chunk_threshold: int = _POLICY.handoff_threshold
+    chunk_threshold: int = 64  # the paper scenario's tail-chunk size (the router's own default is _POLICY's)
     batch_extend: bool = True  # extend chunks ride in decode steps (False: passes of their own)
     rld_threshold_s: float = _POLICY.ttft_budget_s  # use RLD when the KV is predicted to reach MD later than this
     singular_filter: bool = True  # finish on RLD if it would be done before the KV reaches MD

@@ -52,7 +52,13 @@ def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, na
     return Child(role, proc, ready)
 
 
-async def wait_ready(children: list[Child], timeout: float = 300.0) -> None:
+# How long services may take to report SERVING: each precompiles its step shape set first
+# (tens of seconds from a warm compile cache; minutes on a fresh machine, where every shape of
+# the real model is compiled once: about 5 min for 110 variants on 2 loaded cores).
+READY_SECONDS = float(os.environ.get("PDDJAX_READY_SECONDS", "1200"))
+
+
+async def wait_ready(children: list[Child], timeout: float = READY_SECONDS) -> None:
     deadline = time.monotonic() + timeout
     while any(c.address is None for c in children):
         for c in children:
