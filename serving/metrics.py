@@ -42,6 +42,9 @@ class ServiceMetrics:
                                           registry=r)
         self.executables = Gauge("pddjax_jit_executables", "jitted step / KV copy variants held in memory now",
                                  registry=r)
+        self._faults_counted = 0
+        self.engine_faults = Counter("pddjax_engine_faults", "engine steps that raised (their sequences failed)",
+                                     registry=r)
         self.url: str | None = None
 
     def serve_http(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -61,3 +64,7 @@ class ServiceMetrics:
         self.compiles.set(snap.get("compiles", 0))
         self.compiles_after_ready.set(snap.get("compiles_after_ready", 0))
         self.executables.set(snap.get("executables", 0))
+        faults = snap.get("faults", 0) - self._faults_counted
+        if faults > 0:
+            self.engine_faults.inc(faults)
+            self._faults_counted += faults

@@ -151,6 +151,7 @@ class PagedEngine:
         """Run one packed step over all sequences with pending tokens -> list[TokenEvent]
         (plus {seq_id: logits [V]} when return_logits)."""
         rows, budget, S = [], self.config.max_step_tokens, self.config.page_size
+        self.step_rows = None  # set once the rows are chosen: what a failing step fails
         packed = width = q = 0  # the step so far: packed tokens, widest page table, longest row
         for seq in sorted((s for s in self.seqs.values() if s.num_pending), key=lambda s: s.num_pending):
             if len(rows) == self.config.max_rows or budget == 0:
@@ -165,6 +166,7 @@ class PagedEngine:
             width = max(width, pages_needed(start + n, S))
         if not rows:
             return ([], {}) if return_logits else []
+        self.step_rows = [seq.seq_id for seq, _ in rows]  # the sequences a failing step fails
         shape = buckets.fit(self.shapes, packed, len(rows), width, q)
         batch, sample_rows, greedy = self._build(rows, shape)
         sp = self._sampling_arrays(rows, shape[1])

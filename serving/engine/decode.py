@@ -74,6 +74,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         self.slots = SlotTable(self.engine, self.worker)
         self.kv = KVReceiver(self.role, self.engine.fingerprint, self.worker, self.slots, self.cfg.vocab_size)
         self.handoff = Handoff(self.role, self.worker, self.slots, self.cfg.vocab_size)
+        self.worker.faults.on_fault = self._step_failed
         self._lease_task = loop.create_task(self._expire_leases())
 
     async def _expire_leases(self) -> None:
@@ -112,6 +113,14 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
                 for w in done:
                     slot.waiters.remove(w)
                     self.worker.post(resolve, w[1], seq.pages.num_tokens - len(seq.prompt))
+
+    def _step_failed(self, e, rids: list[str], sentence: str) -> None:
+        """Engine thread: a step of these requests raised; their streams end INTERNAL."""
+        for rid in rids:
+            slot = self.slots.get(rid)
+            if slot is not None:
+                self.slots.close(slot, RpcFailure(grpc.StatusCode.INTERNAL, f"{sentence}; request {rid} ended"),
+                                 cache=False)
 
     # ---- RPCs -------------------------------------------------------------------------
     async def Reserve(self, request, context):

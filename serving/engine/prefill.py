@@ -48,6 +48,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.worker = EngineWorker(self.engine, loop, self._on_step, name="engine-prefill")
+        self.worker.faults.on_fault = self._step_failed
 
     async def Prefill(self, request, context):
         rid, prompt, params, max_tokens, stop_ids = rpc.spec_from_pb(request.spec)
@@ -83,6 +84,8 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
                 first = await st.first
             except _Released as e:
                 await context.abort(grpc.StatusCode.ABORTED, str(e))
+            except _StepFailed as e:
+                await context.abort(grpc.StatusCode.INTERNAL, str(e))
             yield cluster_pb2.PrefillEvent(prefilled=cluster_pb2.Prefilled(
                 first_token=first, num_cached=cached, prefill_ms=1e3 * (time.perf_counter() - t0)))
             # P's KV lease: the pages stay held until every target acknowledged its import (its
@@ -108,6 +111,13 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
             for t in tasks:
                 t.cancel()
             self.worker.run_soon(self._drop, rid)  # never skipped, even if this handler is being cancelled
+
+    def _step_failed(self, e, rids: list[str], sentence: str) -> None:
+        """Engine thread: a step of these prompts raised; their Prefill calls end INTERNAL."""
+        for rid in rids:
+            st = self.progress.pop(rid, None)
+            if st is not None:
+                self.worker.post(fail, st.first, _StepFailed(f"{sentence}; request {rid} ended"))
 
     def _drop(self, e, rid) -> None:
         """Engine thread: free a request's pages (its peers are done with them, it was cancelled,
@@ -215,6 +225,10 @@ KV_LEASE_SECONDS = float(os.environ.get("PDDJAX_KV_LEASE_SECONDS", "120"))  # se
 
 class _Released(Exception):
     """The request was released (Release RPC) while P was still prefilling it."""
+
+
+class _StepFailed(Exception):
+    """An engine step of the request raised (serving/engine/faults.py); one sentence."""
 
 
 def _lease_expired(rid: str, target) -> cluster_pb2.TransferDone:

@@ -23,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+from serving.engine.faults import StepFaults
 from serving.engine.steplog import StepLog
 
 COMMAND_BUDGET_S = 0.02  # ordinary commands between two steps while sequences have work
@@ -37,6 +38,7 @@ class EngineWorker:
         self._arrival = itertools.count()
         self._stop = False
         self.steps = 0
+        self.faults = StepFaults(name)  # a step that raises fails its sequences, never retried
         self.metrics = None  # a ServiceMetrics: engine gauges are set from this thread (<= 4 per s, and when idle)
         self.compiles_at_ready: int | None = None  # compile count when the service went SERVING
         self._snapshot_at = 0.0
@@ -73,7 +75,7 @@ class EngineWorker:
             self.log.engine_tid = threading.get_native_id()
         while not self._stop:
             try:
-                item = self._q.get(block=not self.engine.has_work(), timeout=None)[2]
+                item = self._q.get(block=not self.engine.has_work(), timeout=self.faults.tick())[2]
             except queue.Empty:
                 item = False
             started = time.monotonic()
@@ -103,8 +105,8 @@ class EngineWorker:
                     if self.on_step is not None:
                         with self._timed("on_step"):
                             self.on_step(events)
-                except Exception:  # noqa: BLE001  (keep serving; the failure is logged)
-                    traceback.print_exc()
+                except Exception as exc:  # noqa: BLE001  (its sequences fail; the engine serves on)
+                    self.faults.failed(self.engine, exc)
             now = time.monotonic()
             if self.metrics is not None and (now - self._snapshot_at >= 0.25 or not self.engine.has_work()):
                 self._snapshot_at = now  # num_pages_active walks every sequence: not on every step
@@ -151,7 +153,7 @@ class EngineWorker:
         return {"pages_active": getattr(e, "num_pages_active", 0), "pages_used": alloc.num_used if alloc else 0,
                 "pages_total": alloc.capacity if alloc else 0, "sequences": len(e.seqs), "steps": self.steps,
                 "queue_depth": self._q.qsize(), "compiles": compiles,
-                "compiles_after_ready": compiles - at_ready,
+                "compiles_after_ready": compiles - at_ready, "faults": self.faults.total,
                 "executables": resident_count() + compiled_variants()}
 
 

@@ -99,6 +99,9 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
     if worker is not None:
         worker.metrics = metrics
         worker.mark_ready()  # compiles from here on: pddjax_jit_compiles_after_ready
+        # repeated engine faults flip health (the router routes around), a quiet window restores it
+        worker.faults.post_health = lambda ok: loop.call_soon_threadsafe(
+            lambda: loop.create_task(rpc.set_serving(hs, names, ok)))
     if hasattr(servicer, "attach_metrics"):
         servicer.attach_metrics(metrics)
     gate.ready(servicer)
