@@ -238,3 +238,27 @@ def assert_idle(stack, timeout=10.0):
 def test_nothing_left_in_flight(stack, client):
     """After everything above (including refusals), every tier holds no request and no page."""
     assert_idle(stack)
+
+
+def test_duplicate_client_ids_never_interfere(client, ref, stack):
+    """The client's request_id is a label (issue 17, defect 3): two concurrent requests with the
+    same id both finish token-exact, and the id can be sent again at once."""
+    import concurrent.futures
+
+    ps = [prompt(30, 900 + i) for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda p: client.generate(make_request(p, max_tokens=8, pipeline="pdd",
+                                                                       request_id="same-id"), timeout=60), ps[:2]))
+    again = client.generate(make_request(ps[2], max_tokens=8, pipeline="pd-cross", request_id="same-id"), timeout=60)
+    for p, r in zip(ps, [*results, again]):
+        assert r.request_id == "same-id" and r.token_ids == expected(ref, p, 8, None)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(request_id="x" * 257), "request_id must be at most 256"),
+    (dict(session_id="a\nb"), "session_id must be at most 256 printable"),
+])
+def test_ids_are_bounded(client, kw, words):
+    with pytest.raises(RouterError) as e:
+        client.generate(make_request([5, 6], max_tokens=2, **kw), timeout=10)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in str(e.value)

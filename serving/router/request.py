@@ -64,7 +64,8 @@ class Request:
     t0: float = dataclasses.field(default_factory=time.perf_counter)  # received (TTFT, total)
     stage: str = "validate"  # validate | admission | plan | reserve | stream (failure metrics)
     admitted: bool = False  # holds an admission slot (released by Generate)
-    rid: str = ""
+    rid: str = ""  # this request's own id on P / RLD / MD: unique, never the client's
+    label: str = ""  # the client's request id (a label: duplicates never interfere), else rid
     session: str = ""  # "" = no session
     prompt: list[int] = dataclasses.field(default_factory=list)
     max_tokens: int = 0

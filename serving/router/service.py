@@ -119,8 +119,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             r.stage = "reserve"
             await self.chooser.reserve(r)
             self.m.chosen(PIPELINE_NAMES[r.pipeline], r.reason)
-            print(f"router: {r.rid} session={r.session or '-'} {r.explain}", file=sys.stderr, flush=True)
-            yield router_pb2.GenerateResponse(request_id=r.rid, pipeline=r.pipeline, prompt_token_ids=r.prompt,
+            print(f"router: {r.label} ({r.rid}) session={r.session or '-'} {r.explain}", file=sys.stderr,
+                  flush=True)
+            yield router_pb2.GenerateResponse(request_id=r.label, pipeline=r.pipeline, prompt_token_ids=r.prompt,
                                               explain=r.explain)
             r.stage = "stream"
             if r.deadline.remaining() is not None:  # the stream stops at the deadline even if no tier reports it

@@ -79,7 +79,7 @@ class Output:
             if new or finish:
                 delta, stop = self._add(new, source)
                 finish = common_pb2.FINISH_REASON_STOP if stop else finish
-                msg = router_pb2.GenerateResponse(request_id=r.rid, token_ids=new, sources=[source] * len(new),
+                msg = router_pb2.GenerateResponse(request_id=r.label, token_ids=new, sources=[source] * len(new),
                                                   text=delta)
                 if finish:
                     msg.finish_reason = finish

@@ -43,13 +43,20 @@ def prompt_of(req: router_pb2.GenerateRequest, cfg, tokenizer) -> list[int]:
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat: {e}") from None
 
 
+MAX_ID_CHARS = 256  # request_id and session_id: labels, bounded
+
+
 def read(r: Request, req: router_pb2.GenerateRequest, cfg, tokenizer, handoff: str) -> None:
-    """Fills `r` from `req` (a random request id when the client sent none), or raises Abort
+    """Fills `r` from `req` (its own random id; the client's request_id is its label), or raises Abort
     (INVALID_ARGUMENT). `handoff`: `[router] handoff`, for a request that names no mode."""
     prompt = prompt_of(req, cfg, tokenizer)
     params = rpc.sampling_from_pb(req.sampling)
     max_tokens = int(req.max_tokens)
-    rid = req.request_id or uuid.uuid4().hex
+    for name, value in (("request_id", req.request_id), ("session_id", req.session_id)):
+        if len(value) > MAX_ID_CHARS or not value.isprintable():
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be at most {MAX_ID_CHARS} printable "
+                                                          f"characters, got {len(value)}")
+    rid = uuid.uuid4().hex  # the tiers see only this: a client's id may repeat, or be reused at once
     err = rpc.validate_spec(cfg, rid, prompt, params, max_tokens)
     if err:
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, err)
@@ -59,7 +66,8 @@ def read(r: Request, req: router_pb2.GenerateRequest, cfg, tokenizer, handoff: s
     if bad:
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"stop token id {bad[0]} is outside the vocabulary")
     stop_ids = tuple(() if req.ignore_eos else cfg.eos_token_ids) + tuple(req.stop_token_ids)
-    r.rid, r.session, r.prompt, r.max_tokens, r.requested = rid, req.session_id, prompt, max_tokens, req.pipeline
+    r.rid, r.label, r.session = rid, req.request_id or rid, req.session_id
+    r.prompt, r.max_tokens, r.requested = prompt, max_tokens, req.pipeline
     r.spec = cluster_pb2.SequenceSpec(request_id=rid, prompt=prompt, sampling=rpc.sampling_to_pb(params),
                                       max_tokens=max_tokens, stop_token_ids=stop_ids)
     r.mode = req.handoff or (common_pb2.HANDOFF_MODE_ONE_SHOT if handoff == "one-shot"
