@@ -108,3 +108,40 @@ def test_output_refuses_a_gap_and_raises_an_abort():
     with pytest.raises(Abort) as e:
         asyncio.run(run(Abort(grpc.StatusCode.UNAVAILABLE, "gone", "relay")))
     assert e.value.stage == "relay"
+
+
+def test_output_moves_to_main_once_it_caught_up_while_relay_streams_on():
+    """Chunked handoff: RLD streams on after its final (at 3); MD's batches from 3 are held and
+    checked; the stream moves to MD when MD holds the user's next position (here 5), RLD is
+    released (on_switch) and its later batches are dropped; MD's overlap is not sent twice."""
+    switched = []
+
+    async def run():
+        r = pdd_request()
+        r.relay_out.put_nowait(batch(0, [1, 2, 3]))
+        r.main_out.put_nowait(batch(3, [4]))  # MD emits from its final (3): behind the user
+        r.relay_out.put_nowait(batch(3, [4]))
+        r.relay_out.put_nowait(batch(4, [5]))
+        r.main_out.put_nowait(batch(4, [5, 6]))  # MD caught up: it holds position 5
+        r.relay_out.put_nowait(batch(5, [6]))  # RLD, still decoding: dropped after the switch
+        r.main_out.put_nowait(batch(6, [7], finish_reason=common_pb2.FINISH_REASON_LENGTH))
+        msgs = [m async for m in Output(r, None, [], RouterMetrics(), lambda: switched.append(1)).messages()]
+        return r, msgs
+
+    r, msgs = asyncio.run(run())
+    assert r.tokens == [1, 2, 3, 4, 5, 6, 7] and switched == [1]
+    assert r.sources == [common_pb2.ROLE_RELAY] * r.handoff_at + [common_pb2.ROLE_MAIN] * (7 - r.handoff_at)
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_output_stays_on_relay_when_main_disagrees():
+    """A heterogeneous pair whose tokens differ after the final: RLD keeps the request."""
+    async def run():
+        r = pdd_request()
+        r.relay_out.put_nowait(batch(0, [1, 2, 3]))
+        r.main_out.put_nowait(batch(2, [9, 4]))  # disagrees at position 2
+        r.relay_out.put_nowait(batch(3, [4], finish_reason=common_pb2.FINISH_REASON_LENGTH))
+        return r, await collect(r)
+
+    r, msgs = asyncio.run(run())
+    assert r.tokens == [1, 2, 3, 4] and set(r.sources) == {common_pb2.ROLE_RELAY} and r.handoff_at is None

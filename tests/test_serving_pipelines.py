@@ -118,7 +118,11 @@ def test_slow_link_pdd_starts_on_relay_ends_on_main(client, ref, stack, handoff)
         stack.link.set()
     print(handoff, attempt, r.usage, r.timings)
     assert r.sources[0] == "relay" and r.sources[-1] == "main", (r.usage, r.timings)
-    assert r.timings["handoff_position"] == r.sources.index("main") == r.usage["handoff_tokens"]
+    assert r.timings["handoff_position"] == r.sources.index("main")
+    if handoff == "chunked":  # RLD streamed on after its final: the stream moved once MD caught up
+        assert r.timings["handoff_position"] >= r.usage["handoff_tokens"], (r.usage, r.timings)
+    else:  # RLD paused for the one-shot final: the switch is where it stopped
+        assert r.timings["handoff_position"] == r.usage["handoff_tokens"]
     if handoff == "chunked":  # RLD had more than the threshold (48) pending: several chunks
         assert r.usage["handoff_chunks"] >= 2, r.usage
     else:

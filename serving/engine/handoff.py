@@ -1,16 +1,23 @@
 """The handoff between the Decode services: RLD's Handoff RPC and MD's HandoffTokens.
 
-  Handoff      (RLD) hand token IDs to MD: one-shot, or chunk by chunk while more than the
-               threshold is pending (RLD decodes on meanwhile: MD extends the bulk, then
-               decodes ahead of RLD, held, so each later chunk is mostly tokens MD already
-               has); then RLD pauses, the final tail goes, MD acknowledges, RLD's stream ends
-               with handed_off_at = N and RLD releases the request. Each HandoffTokens try is
-               retried when its connection breaks or its answer is lost; the final one (RLD
-               paused, the user waiting) within FINAL_BUDGET_SECONDS, after which RLD resumes.
+  Handoff      (RLD) hand token IDs to MD.
+               chunked (the default): catch-up chunks while more than the threshold is
+               pending (MD extends each in one step, then decodes ahead of RLD, held), then
+               the final chunk, all while RLD decodes on and streams: nothing on the user's
+               path waits for the WAN. MD emits from the final's end; the router holds MD's
+               batches by position and moves the user's stream to MD once MD has caught up
+               (serving/router/stream.py), then releases RLD. A chunk that fails leaves RLD
+               the request: it never paused.
+               one-shot: RLD pauses, hands everything in one final, MD acknowledges, RLD's
+               stream ends with handed_off_at = N. Its tries share FINAL_BUDGET_SECONDS (the
+               user waits meanwhile), after which RLD resumes.
+               Each HandoffTokens try is retried when its connection breaks or its answer is lost.
   HandoffTokens (MD) append RLD's tokens and extend-decode them; a non-final chunk is
                acknowledged once MD has caught up on it; on the final one MD emits from N on.
                Applied once per (request, chunk_seq | final): the table of applied chunks
-               outlives the slot, and MD answers a repeat like the first.
+               outlives the slot, and MD answers a repeat like the first; a second final that
+               agrees with MD's tokens (the router taking over a broken RLD) is answered with
+               where MD's stream starts and the tokens the caller lacks.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ if TYPE_CHECKING:
 
 HANDOFF_TIMEOUT_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_TIMEOUT_SECONDS", "10"))  # per non-final try
 # The final chunk's tries together: RLD is paused meanwhile, so a slow or lost MD resumes RLD soon.
-FINAL_BUDGET_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_FINAL_SECONDS", "1.0"))
+FINAL_BUDGET_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_FINAL_SECONDS", "2.0"))
 # Chunks before the final one: each is acknowledged once MD caught up, and the tail shrinks while
 # MD keeps pace; an MD slower than RLD would chase forever, so the final goes after this many.
 MAX_CATCH_UP_CHUNKS = 8
@@ -61,7 +68,9 @@ class Handoff:
         self.applied: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
 
     async def handoff(self, request, context) -> cluster_pb2.HandoffResponse:
-        """RLD: hand the request's token IDs to MD (one-shot or chunked), then stop."""
+        """RLD: hand the request's token IDs to MD. Chunked: catch-up chunks, then the final,
+        RLD decoding on throughout (the router releases RLD once MD's stream has caught up).
+        One-shot: RLD pauses, hands everything, and its stream ends with handed_off_at."""
         rid = request.request_id
         self.slots.touch(rid)
         slot = self.slots.get(rid)
@@ -84,6 +93,12 @@ class Handoff:
                     request_id=rid, start_position=sent, token_ids=toks[sent:], final=False, chunk_seq=chunks))
                 sent, chunks = len(toks), chunks + 1
                 continue
+            if chunked:  # the final without a pause: MD emits from its end while RLD decodes on, and
+                # the router moves the user's stream to MD once MD is as far (then releases RLD)
+                await self._send_tokens(main, cluster_pb2.HandoffTokensRequest(
+                    request_id=rid, start_position=sent, token_ids=toks[sent:], final=True, chunk_seq=chunks))
+                return cluster_pb2.HandoffResponse(handed_off=True, handed_off_at=len(toks), chunks=chunks + 1,
+                                                   tokens=len(toks))
             toks = await self.worker.call(_pause, rid, urgent=True)
             if toks is None:
                 return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
@@ -204,15 +219,20 @@ class Handoff:
 
 
 def _behind_final(e, rid, start, toks, slots):
-    """Engine thread (MD): a second final for a request whose final was applied. If its tokens
-    agree with MD's (the router's view, a prefix of RLD's), -> (emit_from, the tokens from the
-    caller's end up to emit_from): the stream goes on from there. Else None."""
+    """Engine thread (MD): a second final for a request whose final was applied (the router
+    taking over a broken RLD, with the tokens the user has). If they agree with MD's, ->
+    (emit_from, the tokens from the caller's end up to emit_from; none when the caller is past
+    it): the stream goes on from there. Tokens past what MD made (RLD streamed on after its
+    final) are appended and extended; MD's stream continues after them. Disagreeing: None."""
     seq, slot = e.seqs.get(rid), slots.get(rid)
     if seq is None or slot is None or slot.closed or slot.emit_from is None:
         return None
-    end = start + len(toks)
-    if end > slot.emit_from or seq.generated[start:end] != toks:
+    end, have = start + len(toks), len(seq.generated)
+    if seq.generated[start:min(end, have)] != toks[:max(0, min(end, have) - start)]:
         return None
+    if end > have and not seq.finish_reason:
+        seq.append_known(start, toks)  # known here now: MD computes their KV and emits what follows
+        seq.paused = False
     return slot.emit_from, list(seq.generated[end:slot.emit_from])
 
 

@@ -57,6 +57,17 @@ def _queue() -> asyncio.Queue:
     return asyncio.Queue()
 
 
+class Tagged:
+    """One tier's side of a request's single output queue: `put_nowait(item)` queues
+    (role, item), so `stream.Output` sees RLD's and MD's batches in arrival order."""
+
+    def __init__(self, out: asyncio.Queue, role: int):
+        self.out, self.role = out, role
+
+    def put_nowait(self, item) -> None:
+        self.out.put_nowait((self.role, item))
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     # ---- what was asked (Generate) ----
@@ -112,8 +123,9 @@ class Request:
     tasks: list[asyncio.Task] = dataclasses.field(default_factory=list)  # cancelled when the request ends
 
     # ---- the output (stream) ----
-    relay_out: asyncio.Queue = dataclasses.field(default_factory=_queue)  # RLD's TokenBatches, or an Abort
-    main_out: asyncio.Queue = dataclasses.field(default_factory=_queue)  # MD's TokenBatches, or an Abort
+    out: asyncio.Queue = dataclasses.field(default_factory=_queue)  # (role, TokenBatch | Abort), both tiers
+    relay_out: Tagged = dataclasses.field(init=False)  # RLD's side of `out`
+    main_out: Tagged = dataclasses.field(init=False)  # MD's side of `out`
     tokens: list[int] = dataclasses.field(default_factory=list)  # sent to the user
     sources: list[int] = dataclasses.field(default_factory=list)  # common_pb2.Role of each
     finished: bool = False  # the user's stream has its last message
@@ -124,6 +136,10 @@ class Request:
     relay_t0: float = 0.0  # first and last relay batch (perf_counter): RLD's measured speed
     relay_t1: float = 0.0
     relay_after: int = 0  # relay tokens after the first batch
+
+    def __post_init__(self):
+        self.relay_out = Tagged(self.out, common_pb2.ROLE_RELAY)
+        self.main_out = Tagged(self.out, common_pb2.ROLE_MAIN)
 
     @property
     def uses_relay(self) -> bool:

@@ -40,8 +40,10 @@ import collections
 import json
 import sys
 
+import grpc
+
 from serving.config import RouterSettings
-from serving.pb import router_pb2, router_pb2_grpc
+from serving.pb import cluster_pb2, router_pb2, router_pb2_grpc
 from serving.router import pools, validate
 from serving.router.admission import Admission, Deadline, Refused
 from serving.router.choose import Chooser
@@ -127,7 +129,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if r.deadline.remaining() is not None:  # the stream stops at the deadline even if no tier reports it
                 expiry = asyncio.get_running_loop().call_later(r.deadline.remaining(), expire, r.relay_out, r.main_out)
             await self.transfers.open(r)
-            async for msg in Output(r, self.tok, req.stop_strings, self.m).messages():
+            async for msg in Output(r, self.tok, req.stop_strings, self.m, lambda: self._relay_done(r)).messages():
                 if msg.finish_reason:
                     self._settle(r)
                 yield msg
@@ -135,6 +137,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if expiry is not None:
                 expiry.cancel()
             self._end(r)
+
+    def _relay_done(self, r: Request) -> None:
+        """The stream moved to MD: RLD (decoding on until now) stops and frees the request."""
+        if r.relay_pump is not None:
+            r.relay_pump.cancel()
+        if r.relay is not None:
+            release = cluster_pb2.ReleaseRequest(request_id=r.rid, cancel=True)
+            self._spawn(_quietly(pools.stub(r.relay).Release(release)))
 
     def _settle(self, r: Request) -> None:
         """The user's stream is about to get its last message: this request's effects land first."""
@@ -168,3 +178,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         task = asyncio.create_task(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
+
+
+async def _quietly(call) -> None:
+    """A best-effort RPC in the background (the request's final release retries it anyway)."""
+    try:
+        await call
+    except grpc.aio.AioRpcError:
+        pass

@@ -20,11 +20,18 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from serving.pb import common_pb2, router_pb2
+from serving.pb import cluster_pb2, common_pb2, router_pb2
 from serving.router.request import PIPELINE_NAMES, Abort, Request, from_rpc
 
 if TYPE_CHECKING:
     from serving.router.metrics import RouterMetrics
+
+
+# The stream moves to MD once MD is at most SWITCH_LAG tokens behind the user, or its lag costs
+# the user at most SWITCH_WAIT_S at RLD's pace (a fast model lags more tokens in the same time);
+# FORCE_AFTER_S after MD's first batch (MD does not gain on RLD) a wait up to FORCE_WAIT_S is taken.
+SWITCH_LAG, SWITCH_WAIT_S = 1, 0.1
+FORCE_AFTER_S, FORCE_WAIT_S = 0.5, 0.4
 
 
 def expire(*queues: asyncio.Queue) -> None:
@@ -52,41 +59,134 @@ async def pump(call, q: asyncio.Queue, who: str, on_error=None) -> None:
 
 
 class Output:
-    """One request's outgoing stream. `tokenizer` None: no text; `stop_strings` end it early."""
+    """One request's outgoing stream. `tokenizer` None: no text; `stop_strings` end it early;
+    `on_switch()` runs once when the stream moves from RLD to MD (the caller releases RLD)."""
 
-    def __init__(self, r: Request, tokenizer, stop_strings, metrics: RouterMetrics):
+    def __init__(self, r: Request, tokenizer, stop_strings, metrics: RouterMetrics, on_switch=None):
         self.r, self.tok, self.stop_strings = r, tokenizer, list(stop_strings)
         self.timer, self.text = metrics.timer(r.t0), ""
+        self.on_switch = on_switch
+        self.on_main = not r.uses_relay  # the tier the user's tokens come from now
+        self.ahead: list[int] | None = []  # MD's tokens while RLD is the source (None: MD disagreed or failed)
+        self.ahead_at = 0  # output position of ahead[0]
+        self.main_finish = common_pb2.FINISH_REASON_UNSPECIFIED  # MD finished within `ahead`
+        self.ahead_t0 = 0.0  # when MD's first batch came (perf_counter)
 
     async def messages(self):
-        """-> GenerateResponses until (and with) the one that has a finish_reason."""
+        """-> GenerateResponses until (and with) the one that has a finish_reason. While RLD is the
+        source, MD's batches (it emits from the final handoff on, RLD decoding on) are held by
+        position; the stream moves to MD once MD is within SWITCH_LAG tokens of the user (its next
+        token is at most about one interval away, or its lag costs at most SWITCH_WAIT_S; more
+        once FORCE_AFTER_S passed),
+        after checking the overlap token for token. RLD's own handed_off batch (one-shot, or MD
+        taking over a broken RLD) switches at once."""
         r = self.r
-        current, source = (r.relay_out, common_pb2.ROLE_RELAY) if r.uses_relay else (r.main_out, common_pb2.ROLE_MAIN)
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         while not finish:
-            items = [await current.get()]
-            while not current.empty() and not _terminal(items[-1]):
-                items.append(current.get_nowait())
+            items = [await r.out.get()]
+            while not r.out.empty() and not _terminal(items[-1][1]):
+                items.append(r.out.get_nowait())
             new, switch = [], False
-            for it in items:
+            for role, it in items:
+                if (role == common_pb2.ROLE_MAIN) != self.on_main:
+                    if not self.on_main:
+                        self._hold_main(it, len(r.tokens) + len(new))
+                    continue  # RLD's batches after the switch: it is being released
                 if isinstance(it, Abort):
                     raise it
+                if self.on_main:  # MD's stream may overlap what the user has (it started behind)
+                    it = self._from(it, len(r.tokens) + len(new))
+                    if it is None:
+                        continue
                 if it.token_ids and it.start_position != len(r.tokens) + len(new):
                     raise Abort(grpc.StatusCode.INTERNAL, f"token stream out of order at position {it.start_position}")
                 new += it.token_ids
                 switch = switch or it.handed_off
                 finish = finish or it.finish_reason
             if new or finish:
-                delta, stop = self._add(new, source)
-                finish = common_pb2.FINISH_REASON_STOP if stop else finish
-                msg = router_pb2.GenerateResponse(request_id=r.label, token_ids=new, sources=[source] * len(new),
-                                                  text=delta)
-                if finish:
-                    msg.finish_reason = finish
-                    self._summary(msg)
+                msg = self._message(new, finish)
+                finish = msg.finish_reason
                 yield msg
-            if switch:
-                current, source, r.handoff_at = r.main_out, common_pb2.ROLE_MAIN, len(r.tokens)
+            if not finish and (switch or (not self.on_main and self._main_caught_up())):
+                self._switch()
+                new, finish = self._take_ahead()
+                if new or finish:
+                    msg = self._message(new, finish)
+                    finish = msg.finish_reason
+                    yield msg
+
+    def _message(self, new: list[int], finish: int) -> router_pb2.GenerateResponse:
+        source = common_pb2.ROLE_MAIN if self.on_main else common_pb2.ROLE_RELAY
+        delta, stop = self._add(new, source)
+        msg = router_pb2.GenerateResponse(request_id=self.r.label, token_ids=new, sources=[source] * len(new),
+                                          text=delta)
+        if stop or finish:
+            msg.finish_reason = common_pb2.FINISH_REASON_STOP if stop else finish
+            self._summary(msg)
+        return msg
+
+    def _hold_main(self, it, position: int) -> None:
+        """An MD batch while RLD is the source: keep its tokens by position (contiguous)."""
+        if self.ahead is None:
+            return
+        if isinstance(it, Abort):  # MD failed before the switch: RLD goes on alone
+            self.ahead = None
+            return
+        if it.token_ids:
+            if not self.ahead:
+                self.ahead_at, self.ahead_t0 = it.start_position, time.perf_counter()
+            elif it.start_position != self.ahead_at + len(self.ahead):
+                self.ahead = None  # a hole in MD's stream: never switch on it
+                return
+            self.ahead += it.token_ids
+        self.main_finish = self.main_finish or it.finish_reason
+
+    def _main_caught_up(self) -> bool:
+        """MD holds tokens up to within SWITCH_LAG of the user's next position, and the ones
+        the user has already agree with them (a heterogeneous pair may differ: then RLD stays)."""
+        r, ahead = self.r, self.ahead
+        if not ahead or self.ahead_at > len(r.tokens):
+            return False
+        seen = r.tokens[self.ahead_at:self.ahead_at + len(ahead)]
+        if ahead[:len(seen)] != seen:
+            self.ahead = None
+            return False
+        lag = len(r.tokens) - (self.ahead_at + len(ahead))  # tokens MD still has to make to reach the user
+        per_token = (r.relay_t1 - r.relay_t0) / r.relay_after if r.relay_after else 0.05  # RLD's pace, s
+        late = time.perf_counter() - self.ahead_t0 > FORCE_AFTER_S  # MD does not gain on RLD: RLD stops
+        wait = lag * per_token
+        return (lag <= SWITCH_LAG or wait <= SWITCH_WAIT_S or (late and wait <= FORCE_WAIT_S)
+                or bool(self.main_finish))
+
+    def _switch(self) -> None:
+        self.on_main, self.r.handoff_at = True, len(self.r.tokens)
+        if self.on_switch is not None:
+            self.on_switch()
+
+    def _take_ahead(self) -> tuple[list[int], int]:
+        """At the switch: MD's held tokens past what the user has (checked), and MD's finish."""
+        r, ahead = self.r, self.ahead or []
+        skip = len(r.tokens) - self.ahead_at
+        if ahead and 0 <= skip and ahead[:skip] == r.tokens[self.ahead_at:]:
+            rest, finish = ahead[skip:], self.main_finish
+        else:
+            rest, finish = [], common_pb2.FINISH_REASON_UNSPECIFIED
+        self.ahead = None
+        return rest, (finish if rest or skip >= len(ahead) else common_pb2.FINISH_REASON_UNSPECIFIED)
+
+    def _from(self, it, position: int):
+        """An MD batch after the switch, cut to start at `position` (the part the user has is
+        checked against it); None if it holds nothing new."""
+        if not it.token_ids or it.start_position >= position:
+            return it
+        have = min(position - it.start_position, len(it.token_ids))  # tokens of it the user has
+        if list(it.token_ids[:have]) != self.r.tokens[it.start_position:it.start_position + have]:
+            raise Abort(grpc.StatusCode.INTERNAL, f"MD's tokens disagree with the stream at {it.start_position}")
+        if have == len(it.token_ids):  # nothing new; its finish counts only where the user's tokens end
+            at_end = it.finish_reason and it.start_position + have == position
+            return cluster_pb2.TokenBatch(start_position=position, finish_reason=it.finish_reason) if at_end else None
+        return cluster_pb2.TokenBatch(start_position=position, token_ids=it.token_ids[have:],
+                                      finish_reason=it.finish_reason)
 
     def _add(self, new: list[int], source: int) -> tuple[str, bool]:
         """Books `new` tokens (times, text) -> (their text, a stop string ended the text)."""
