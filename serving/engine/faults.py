@@ -37,16 +37,7 @@ class StepFaults:
         traceback.print_exc()
         rows = list(getattr(engine, "step_rows", None) or [rid for rid, s in engine.seqs.items() if s.num_pending])
         sentence = f"the {self.name} engine step failed ({type(exc).__name__}: {str(exc)[:160]})"
-        if self.on_fault is not None:
-            try:
-                self.on_fault(engine, rows, sentence)
-            except Exception:  # noqa: BLE001  (the release below still runs)
-                traceback.print_exc()
-        for rid in rows:  # whatever the service did not release: never the same step again
-            if rid in engine.seqs:
-                engine.release(rid, cache=False)
-        engine.step_rows = None
-        now = time.monotonic()
+        now = time.monotonic()  # counted (and health flipped) before the failed requests hear of it
         self.total += 1
         self.recent.append(now)
         while self.recent and now - self.recent[0] > FAULT_WINDOW_S:
@@ -57,6 +48,15 @@ class StepFaults:
                   flush=True)
             if self.post_health is not None:
                 self.post_health(False)
+        if self.on_fault is not None:
+            try:
+                self.on_fault(engine, rows, sentence)
+            except Exception:  # noqa: BLE001  (the release below still runs)
+                traceback.print_exc()
+        for rid in rows:  # whatever the service did not release: never the same step again
+            if rid in engine.seqs:
+                engine.release(rid, cache=False)
+        engine.step_rows = None
 
     def tick(self) -> float | None:
         """Engine thread, every loop: health back after a quiet window. -> seconds until the
