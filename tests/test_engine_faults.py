@@ -11,7 +11,6 @@ import grpc
 import numpy as np
 import pytest
 
-from pddjax.engines.paged_engine import EngineConfig, PagedEngine
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling_params import SamplingParams
 from serving import rpc
@@ -20,35 +19,21 @@ from serving.engine.decode import DecodeService
 from serving.engine.slot import RpcFailure
 from serving.kvwire import chunks
 from serving.pb import cluster_pb2
+from tests.inprocess import Ctx, prefill_runs
+from tests.inprocess import aiter as _aiter
+from tests.inprocess import engine as new_engine
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams()
 
 
-class Ctx:
-    async def abort(self, code, message):
-        raise AssertionError(f"{code}: {message}")
-
-
-async def _aiter(items):
-    for x in items:
-        yield x
-
-
 def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny, monkeypatch):
-    cfg = EngineConfig(page_size=16, num_pages=64, max_step_tokens=64, max_rows=4, attention="xla")
-    p_engine = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg)
-    engine = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg)
+    engine = new_engine(tiny)
     ref = ReferenceEngine(tiny.config, tiny.weights)
     names = ["poison-0", "victim", "poison-1", "poison-2", "good"]
     prompts = {k: np.random.default_rng(i).integers(3, 512, 20).tolist() for i, k in enumerate(names)}
     want = {k: ref.generate(p, GREEDY, 6, ()).token_ids for k, p in prompts.items()}
-    runs = {}
-    for k, p in prompts.items():
-        p_engine.add(k, p, GREEDY, 1, (), hold_on_finish=True)
-        while p_engine.seqs[k].pages.num_tokens < len(p):
-            p_engine.step()
-        runs[k] = p_engine.export_kv(k, 0, len(p))
+    runs = prefill_runs(tiny, prompts, GREEDY)
     real = engine._sampling_arrays
 
     def poisoned(rows, *args):  # what an out-of-range value once did on every step: raise

@@ -11,44 +11,24 @@ import grpc
 import numpy as np
 import pytest
 
-from pddjax.engines.paged_engine import EngineConfig, PagedEngine
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling_params import SamplingParams
 from serving import rpc
 from serving.engine.decode import DecodeService
 from serving.kvwire import chunks
 from serving.pb import cluster_pb2
+from tests.inprocess import Ctx, Refused, engine, prefill_runs
+from tests.inprocess import aiter as _aiter
 
 pytestmark = pytest.mark.timeout(120)
 SEEDED = SamplingParams(temperature=0.8, top_k=20, seed=5)
 
 
-class Refused(Exception):
-    def __init__(self, code, message):
-        super().__init__(message)
-        self.code = code
-
-
-class Ctx:
-    async def abort(self, code, message):
-        raise Refused(code, message)
-
-
-async def _aiter(items):
-    for x in items:
-        yield x
-
-
 def test_a_second_final_with_the_users_prefix_continues_on_main(tiny):
-    cfg = EngineConfig(page_size=16, num_pages=64, max_step_tokens=64, max_rows=4, attention="xla")
-    p_engine = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg)
-    main_engine = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg)
+    main_engine = engine(tiny)
     prompt = np.random.default_rng(3).integers(3, 512, 25).tolist()
     want = ReferenceEngine(tiny.config, tiny.weights).generate(prompt, SEEDED, 24, ()).token_ids
-    p_engine.add("r", prompt, SEEDED, 1, (), hold_on_finish=True)
-    while p_engine.seqs["r"].pages.num_tokens < len(prompt):
-        p_engine.step()
-    run = p_engine.export_kv("r", 0, len(prompt))
+    run = prefill_runs(tiny, {"r": prompt}, SEEDED)["r"]
     n_relay, n_seen = 10, 6  # RLD handed 10 tokens; its stream broke when the user had 6
 
     async def main():

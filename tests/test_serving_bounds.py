@@ -12,13 +12,14 @@ import grpc
 import numpy as np
 import pytest
 
-from pddjax.engines.paged_engine import EngineConfig, PagedEngine
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling_params import SamplingParams
 from serving import rpc
 from serving.engine.decode import DecodeService
 from serving.kvwire import chunks
 from serving.pb import cluster_pb2
+from tests.inprocess import Ctx, Refused, engine, prefill_runs
+from tests.inprocess import aiter as _aiter
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams()
@@ -43,39 +44,16 @@ def test_sampling_at_its_bounds_is_accepted():
     SamplingParams(temperature=100.0, top_k=2**31 - 1, top_p=1.0, seed=2**31 - 1).validate()
 
 
-class Refused(Exception):
-    def __init__(self, code, message):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class Ctx:
-    async def abort(self, code, message):
-        raise Refused(code, message)
-
-
-async def _aiter(items):
-    for x in items:
-        yield x
-
-
 def _prompt(n, seed):
     return np.random.default_rng(seed).integers(3, 512, n).tolist()
 
 
 def test_out_of_vocabulary_tokens_are_refused_and_the_engine_serves_on(tiny):
     vocab = tiny.config.vocab_size
-    cfg = EngineConfig(page_size=16, num_pages=64, max_step_tokens=64, max_rows=4, attention="xla")
-    p_engine = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg)
-    main_engine = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg)
+    main_engine = engine(tiny)
     ref = ReferenceEngine(tiny.config, tiny.weights)
     prompts = {k: _prompt(20, i) for i, k in enumerate(("bad-kv", "bad-handoff", "good"))}
-    runs = {}
-    for k, p in prompts.items():
-        p_engine.add(k, p, GREEDY, 1, (), hold_on_finish=True)
-        while p_engine.seqs[k].pages.num_tokens < len(p):
-            p_engine.step()
-        runs[k] = p_engine.export_kv(k, 0, len(p))
+    runs = prefill_runs(tiny, prompts, GREEDY)
 
     async def main():
         svc = DecodeService("main", main_engine, tiny.config, {})
