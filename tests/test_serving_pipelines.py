@@ -260,9 +260,14 @@ def test_duplicate_client_ids_never_interfere(client, ref, stack):
 
 @pytest.mark.parametrize("kw, words", [
     (dict(request_id="x" * 257), "request_id must be at most 256"),
+    (dict(stop_strings=["a"] * 17), "at most 16 stop strings"),
+    (dict(stop_strings=["a" * 257]), "at most 256 characters each"),
+    (dict(stop_ids=list(range(65))), "at most 64 stop token ids"),
+    (dict(prompt_ids=None, text="x" * ((1 << 20) + 1)), "characters; at most"),
     (dict(session_id="a\nb"), "session_id must be at most 256 printable"),
 ])
-def test_ids_are_bounded(client, kw, words):
+def test_public_inputs_are_bounded(client, kw, words):
+    """Ids, stop strings and ids, and prompt text have stated bounds (issue 17, defect 4)."""
     with pytest.raises(RouterError) as e:
-        client.generate(make_request([5, 6], max_tokens=2, **kw), timeout=10)
+        client.generate(make_request(**{"prompt_ids": [5, 6], "max_tokens": 2, **kw}), timeout=10)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in str(e.value)

@@ -24,7 +24,26 @@ if TYPE_CHECKING:
     from serving.router.request import Request
 
 
+MAX_PROMPT_CHARS = 1 << 20  # text or chat content, before tokenizing (the context bounds tokens)
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_IDS = 16, 256, 64
+
+
+def _bounded(req: router_pb2.GenerateRequest) -> None:
+    """Sizes a caller controls, checked before any work (one sentence each)."""
+    chars = len(req.text) + sum(len(m.content) + len(m.role) for m in req.chat.messages)
+    if chars > MAX_PROMPT_CHARS:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt has {chars} characters; at most "
+                                                      f"{MAX_PROMPT_CHARS} are accepted")
+    if len(req.stop_strings) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_CHARS for x in req.stop_strings):
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_STOP_STRINGS} stop strings of at most "
+                                                      f"{MAX_STOP_STRING_CHARS} characters each are accepted")
+    if len(req.stop_token_ids) > MAX_STOP_IDS:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_STOP_IDS} stop token ids are accepted, "
+                                                      f"got {len(req.stop_token_ids)}")
+
+
 def prompt_of(req: router_pb2.GenerateRequest, cfg, tokenizer) -> list[int]:
+    _bounded(req)
     kind = req.WhichOneof("prompt")
     if kind == "token_ids":
         return list(req.token_ids.ids)
