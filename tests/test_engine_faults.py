@@ -93,7 +93,11 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny, monkey
             unhealthy = list(health)
             monkeypatch.setattr(faults_mod, "FAULT_WINDOW_S", 0.2)  # ... and then a quiet one passes
             await asyncio.sleep(0.4)
-            await svc.worker.call(lambda e: None)  # the engine thread looks again: SERVING
+            await svc.worker.call(lambda e: None)  # the engine thread looks again (after this call): SERVING
+            for _ in range(100):
+                if len(health) > len(unhealthy):
+                    break
+                await asyncio.sleep(0.02)
             snap = await svc.worker.call(lambda e: svc.worker.snapshot())
             return first, idle_steps, used_idle, pages_after, good, unhealthy, list(health), snap
         finally:

@@ -76,10 +76,9 @@ class Output:
         """-> GenerateResponses until (and with) the one that has a finish_reason. While RLD is the
         source, MD's batches (it emits from the final handoff on, RLD decoding on) are held by
         position; the stream moves to MD once MD is within SWITCH_LAG tokens of the user (its next
-        token is at most about one interval away, or its lag costs at most SWITCH_WAIT_S; more
-        once FORCE_AFTER_S passed),
-        after checking the overlap token for token. RLD's own handed_off batch (one-shot, or MD
-        taking over a broken RLD) switches at once."""
+        token is at most about one interval away), or its lag costs at most SWITCH_WAIT_S (more
+        once FORCE_AFTER_S passed), after checking the overlap token for token. RLD's own
+        handed_off batch (one-shot, or MD taking over a broken RLD) switches at once."""
         r = self.r
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         while not finish:
@@ -90,7 +89,7 @@ class Output:
             for role, it in items:
                 if (role == common_pb2.ROLE_MAIN) != self.on_main:
                     if not self.on_main:
-                        self._hold_main(it, len(r.tokens) + len(new))
+                        self._hold_main(it)
                     continue  # RLD's batches after the switch: it is being released
                 if isinstance(it, Abort):
                     raise it
@@ -109,9 +108,9 @@ class Output:
                 yield msg
             if not finish and (switch or (not self.on_main and self._main_caught_up())):
                 self._switch()
-                new, finish = self._take_ahead()
-                if new or finish:
-                    msg = self._message(new, finish)
+                held = self._take_ahead()
+                if held is not None:
+                    msg = self._message(list(held.token_ids), held.finish_reason)
                     finish = msg.finish_reason
                     yield msg
 
@@ -125,7 +124,7 @@ class Output:
             self._summary(msg)
         return msg
 
-    def _hold_main(self, it, position: int) -> None:
+    def _hold_main(self, it) -> None:
         """An MD batch while RLD is the source: keep its tokens by position (contiguous)."""
         if self.ahead is None:
             return
@@ -163,16 +162,15 @@ class Output:
         if self.on_switch is not None:
             self.on_switch()
 
-    def _take_ahead(self) -> tuple[list[int], int]:
-        """At the switch: MD's held tokens past what the user has (checked), and MD's finish."""
-        r, ahead = self.r, self.ahead or []
-        skip = len(r.tokens) - self.ahead_at
-        if ahead and 0 <= skip and ahead[:skip] == r.tokens[self.ahead_at:]:
-            rest, finish = ahead[skip:], self.main_finish
-        else:
-            rest, finish = [], common_pb2.FINISH_REASON_UNSPECIFIED
-        self.ahead = None
-        return rest, (finish if rest or skip >= len(ahead) else common_pb2.FINISH_REASON_UNSPECIFIED)
+    def _take_ahead(self):
+        """At the switch: MD's held tokens as one batch from the user's position (the overlap
+        checked by `_from`), or None if they hold nothing for it."""
+        ahead, self.ahead = self.ahead, None
+        if not ahead:
+            return None
+        held = self._from(cluster_pb2.TokenBatch(start_position=self.ahead_at, token_ids=ahead,
+                                                 finish_reason=self.main_finish), len(self.r.tokens))
+        return held if held is not None and held.start_position == len(self.r.tokens) else None
 
     def _from(self, it, position: int):
         """An MD batch after the switch, cut to start at `position` (the part the user has is
