@@ -67,11 +67,22 @@ def make_request(prompt_ids=None, text=None, chat=None, *, max_tokens=16, temper
 
 
 class Client:
-    def __init__(self, address: str, token: str | None = None):
+    """A client of the router's public port. It holds the CA that verifies the router (`ca`:
+    PEM bytes or a path; else PDDJAX_TLS_CA, else PDDJAX_TLS_DIR's ca.pem; none: plaintext)
+    and the bearer token (`token`, else PDDJAX_ROUTER_TOKEN_FILE's), never an internal
+    certificate or key. A token is never sent in plaintext to a non-loopback address
+    (security.SecurityConfigError, one sentence)."""
+
+    def __init__(self, address: str, token: str | None = None, ca: bytes | str | None = None):
         from serving import security
 
-        self.channel = rpc.sync_channel(address)  # TLS from the environment (security.py)
-        self.metadata = [("authorization", f"Bearer {token}")] if token else security.auth_metadata()
+        creds = security.client_credentials(ca)
+        self.metadata = security.auth_metadata(token)
+        if self.metadata and creds is None and not security.is_loopback(security.host_of(address)):
+            raise security.SecurityConfigError(
+                f"refusing to send the bearer token in plaintext to {address}: give the router's CA "
+                f"(ca=, {security.CA_FILE_ENV} or {security.TLS_DIR_ENV})")
+        self.channel = rpc.sync_channel(address, creds)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     def close(self) -> None:

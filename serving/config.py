@@ -4,11 +4,17 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
     model = "tiny"            # tiny | smollm2-135m | PATH.gguf
     platform = "cpu"          # JAX backend: cpu | gpu | tpu
     host = "127.0.0.1"
+    insecure = false          # plaintext on a non-loopback host only with this (or --insecure)
+    reflection = false        # grpc reflection on the service ports (also per role table)
     [engine]                  # defaults for prefill, relay, main
     dtype = "float32"; page_size = 16; num_pages = 256; attention = "auto"
     max_step_tokens = 256; max_rows = 32; prefix_cache = true; pad_limit = 1.5
                               # (exactly EngineConfig's fields, pddjax/engines/engine_config.py)
     [prefill] / [relay] / [main]    # per-role overrides of the above (+ port, platform, model)
+                              # [prefill] kv_peers = ["host:port", ...]: where P may push KV
+                              # (RLD, and MD as P reaches it: the WAN link's address); kv_peers_file
+                              # = a JSON list of more, re-read when it changes (`pddjax up` writes
+                              # one); neither: loopback addresses only (serving/authz.py)
     [router]                  # port; prefill/relay/main: address lists (several instances per
                               # role), main_wan (MD as cluster A reaches it, parallel to main),
                               # relay_kv (RLD as P reaches it with KV, parallel to relay);
@@ -22,7 +28,14 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
                               # request waits up to wan_probe_wait_ms for its MD's first probe
                               # admission: max_inflight = 256 requests served at once, max_queue =
                               # 512 waiting for a slot; past both Generate answers RESOURCE_EXHAUSTED
-    [wan]                     # mbps (0 = unlimited), latency_ms  (pddjax up's A -> B link)
+                              # default_deadline_s = 600: a Generate without a deadline gets this one;
+                              # sync_timeout_s = 120, max_sync_waiting = 64: background context syncs
+                              # relay_kv_wire = the KV wire format of P -> RLD (default "native")
+    [wan]                     # mbps (0 = unlimited), latency_ms  (pddjax up's A -> B link);
+                              # kv_wire = the KV wire format of P -> MD over the WAN: native | bf16 |
+                              # int8 | fp8, each optionally "+zstd" (pddjax/kv/codec.py; default
+                              # native, the only exact one; the router's [router] kv_wire is the same
+                              # setting and wins); a target that did not declare it gets native
 
 Swapping a cluster's hardware is a change of `platform`, `dtype`, `page_size`, `attention`
 and `num_pages` in that role's table.
@@ -36,6 +49,7 @@ import tomllib
 
 from pddjax.engines.engine_config import EngineConfig
 from pddjax.errors import UserError
+from pddjax.kv.codec import FORMATS as KV_WIRE_FORMATS
 from pddjax.policy import PolicyConfig
 
 ENGINE_ROLES = ("prefill", "relay", "main")
@@ -69,6 +83,11 @@ class RouterSettings:
     background_timeout_s: float = 300.0  # a KV push finishing after its request (MD's context) gives up after this
     max_inflight: int = 256  # requests served at once (router_admission.py)
     max_queue: int = 512  # requests waiting (FIFO) for a slot; past both: RESOURCE_EXHAUSTED at once
+    default_deadline_s: float = 600.0  # a Generate that brings no deadline gets this one (never unbounded)
+    sync_timeout_s: float = 120.0  # a background context sync to MD (a filtered turn) gives up after this
+    max_sync_waiting: int = 64  # syncs queued behind the one running; past it a new one is dropped (counted)
+    kv_wire: str = "native"  # KV wire format P -> MD (the WAN; `[wan] kv_wire`), pddjax.kv.codec.FORMATS
+    relay_kv_wire: str = "native"  # KV wire format P -> RLD (the fast link)
 
     def __post_init__(self):
         for f in ("prefill", "relay", "main", "main_wan", "relay_kv"):
@@ -77,9 +96,17 @@ class RouterSettings:
         if float(self.wan_mbps) < 0 or float(self.wan_probe_wait_ms) < 0:
             raise UserError(f"[router] wan_mbps and wan_probe_wait_ms must be >= 0, "
                             f"got {self.wan_mbps} and {self.wan_probe_wait_ms}")
+        positive = float(self.default_deadline_s) > 0 and float(self.sync_timeout_s) > 0
+        if not positive or int(self.max_sync_waiting) < 0:
+            raise UserError(f"[router] default_deadline_s and sync_timeout_s must be > 0 and max_sync_waiting >= 0, "
+                            f"got {self.default_deadline_s}, {self.sync_timeout_s} and {self.max_sync_waiting}")
         if int(self.max_inflight) < 1 or int(self.max_queue) < 0:
             raise UserError(f"[router] max_inflight must be >= 1 and max_queue >= 0, "
                             f"got {self.max_inflight} and {self.max_queue}")
+        for key in ("kv_wire", "relay_kv_wire"):
+            if getattr(self, key) not in KV_WIRE_FORMATS:
+                raise UserError(f"{'[wan] kv_wire' if key == 'kv_wire' else '[router] relay_kv_wire'} must be one of "
+                                f"{', '.join(KV_WIRE_FORMATS)}, got {getattr(self, key)!r}")
         for kv, role in (("main_wan", "main"), ("relay_kv", "relay")):
             if getattr(self, kv) and len(getattr(self, kv)) != len(getattr(self, role)):
                 raise UserError(f"[router] {kv} lists {len(getattr(self, kv))} addresses "
@@ -95,6 +122,10 @@ class ServiceConfig:
     port: int = 0
     engine: dict = dataclasses.field(default_factory=dict)  # EngineConfig fields (checked)
     router: RouterSettings = dataclasses.field(default_factory=RouterSettings)
+    insecure: bool = False  # plaintext allowed on a non-loopback host (serving/security.py)
+    reflection: bool = False  # grpc reflection on this service's port
+    kv_peers: list[str] = dataclasses.field(default_factory=list)  # prefill: where it may push KV (authz.KVPeers)
+    kv_peers_file: str | None = None  # prefill: a JSON list of more, re-read when it changes
 
 
 def read_file(path: str) -> dict:
@@ -118,11 +149,19 @@ def service_config(stack: dict, role: str, port: int | None = None) -> ServiceCo
                         host=section.pop("host", stack.get("host", "127.0.0.1")), port=int(section.pop("port", 0)))
     if port is not None:
         cfg.port = port
+    for key in ("insecure", "reflection"):  # top level, or the role's table
+        setattr(cfg, key, bool(section.pop(key, stack.get(key, False))))
+    if role == "prefill":
+        peers = section.pop("kv_peers", [])
+        cfg.kv_peers = [a for a in peers.split(",") if a] if isinstance(peers, str) else [str(a) for a in peers]
+        cfg.kv_peers_file = section.pop("kv_peers_file", None)
     if role == "router":
         known = {f.name for f in dataclasses.fields(RouterSettings)}
         unknown = set(section) - known
         if unknown:
             raise UserError(f"unknown [router] key {sorted(unknown)[0]!r}")
+        if "kv_wire" in stack.get("wan", {}):  # MD's WAN path: the [wan] table names its format
+            section.setdefault("kv_wire", stack["wan"]["kv_wire"])
         cfg.router = RouterSettings(**section)
         if cfg.router.handoff not in ("auto", "one-shot", "chunked"):
             raise UserError(f"[router] handoff must be auto, one-shot or chunked, got {cfg.router.handoff!r}")

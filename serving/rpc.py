@@ -1,6 +1,7 @@
 """gRPC plumbing shared by every service: channel/server options (explicit message-size limits,
-keepalive that long idle streams survive on both ends), health and reflection, and the one
-place where protobuf messages become engine-side values (`spec_from_pb`, `sampling_from_pb`)."""
+keepalive that long idle streams survive on both ends), TLS ports and channels (security.py),
+health and (opt-in) reflection, and the one place where protobuf messages become engine-side
+values (`spec_from_pb`, `sampling_from_pb`)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ ROLE_NAMES = {"prefill": common_pb2.ROLE_PREFILL, "relay": common_pb2.ROLE_RELAY
 
 
 def channel(address: str, options=None) -> grpc.aio.Channel:
-    """A channel to another service: mutual TLS when PDDJAX_TLS_DIR is set (security.py)."""
+    """A channel to another service: mutual TLS with this process's role identity when
+    PDDJAX_TLS_DIR is set; a process with no identity (a gateway) verifies with the CA only
+    (security.channel_credentials)."""
     from serving import security
 
     creds, options = security.channel_credentials(), options or CHANNEL_OPTIONS
@@ -50,31 +53,30 @@ def channel(address: str, options=None) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, creds, options=options)
 
 
-def sync_channel(address: str) -> grpc.Channel:
-    """A blocking channel (clients): TLS when PDDJAX_TLS_DIR is set."""
-    from serving import security
-
-    creds = security.channel_credentials()
-    if creds is None:
+def sync_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A blocking channel (public clients of the router): TLS with `credentials` (the CA only), else plaintext."""
+    if credentials is None:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
 
 
-def add_port(server, address: str, public: bool) -> int:
-    """Listen on `address`: TLS (mutual unless `public`) when configured; returns the port."""
+def add_port(server, address: str, role: str) -> int:
+    """Listen on `address` with `role`'s TLS identity when configured (mutual TLS on internal
+    ports, server-side on the router's); returns the port."""
     from serving import security
 
-    creds = security.server_credentials(public)
+    creds = security.server_credentials(role)
     return server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str],
-                              reflection_on: bool = True) -> health.aio.HealthServicer:
-    """Registers grpc.health.v1 and reflection. grpc's servicer reports the overall status ""
-    as SERVING from the start: call `set_serving(hs, names, False)` until ready."""
+                              reflection_on: bool = False) -> health.aio.HealthServicer:
+    """Registers grpc.health.v1, and reflection only when asked (`reflection = true`). grpc's
+    servicer reports the overall status "" as SERVING from the start: call
+    `set_serving(hs, names, False)` until ready."""
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    if reflection_on:  # off on public ports
+    if reflection_on:
         reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
     return hs
 
@@ -122,3 +124,8 @@ def validate_spec(cfg, rid, prompt, params, max_tokens) -> str | None:
     except ValueError as e:
         return str(e)
     return None
+
+
+def time_left(context) -> float | None:
+    """Seconds left before the caller's deadline (None: it brought none)."""
+    return getattr(context, "time_remaining", lambda: None)()

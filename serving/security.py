@@ -1,13 +1,22 @@
-"""TLS between services and bearer-token auth on the router's public port.
+"""TLS identities, the rules for listening, and the router's bearer token.
 
 Process-wide, from the environment (so `pddjax up` hands it to every child it starts):
-- PDDJAX_TLS_DIR: a directory with ca.pem, cert.pem, key.pem. Internal services then listen
-  with mutual TLS (a client must present a certificate signed by the CA) and dial each other
-  with that certificate; the router's public port uses server-side TLS (clients verify it with
-  the CA and need no certificate of their own).
+- PDDJAX_TLS_DIR: a directory with ca.pem and, per role, <role>.pem + <role>-key.pem (prefill,
+  relay, main, router; `pddjax certs DIR` makes a development set, serving/certs.py). Each
+  role's certificate names the role as its SPIFFE ID (URI SAN spiffe://pddjax/role/<role>).
+  A service listens and dials its peers with its own role's identity (`set_identity`, done by
+  `serve`): internal ports require a client certificate of the CA (mutual TLS) and authorise
+  each RPC by the caller's role (serving/authz.py); the router's public port is server-side
+  TLS with the router's identity and asks clients for no certificate.
+- PDDJAX_TLS_CA: the CA file a public client verifies the router with (else PDDJAX_TLS_DIR's
+  ca.pem). A client (serving/client.py) loads only this: internal keys never leave the cluster.
 - PDDJAX_ROUTER_TOKEN_FILE: a file holding the token the router requires as
   `authorization: Bearer <token>` metadata (missing or wrong -> UNAUTHENTICATED; health checks
   stay open). Clients read the same variable.
+Plaintext: a service refuses to listen in plaintext on a non-loopback address unless told
+`insecure` (`listen_problem`), the router never takes a token in plaintext there, and a client
+never sends one in plaintext to a non-loopback address. Without TLS there are no identities,
+so no per-role authorisation either: plaintext is for loopback development.
 Nothing on the wire is pickled: every message is protobuf.
 """
 
@@ -15,28 +24,131 @@ from __future__ import annotations
 
 import functools
 import hmac
+import ipaddress
 import os
 
 import grpc
 
+from pddjax.errors import UserError
+
 TLS_DIR_ENV = "PDDJAX_TLS_DIR"
+CA_FILE_ENV = "PDDJAX_TLS_CA"
 TOKEN_FILE_ENV = "PDDJAX_ROUTER_TOKEN_FILE"
+ROLES = ("prefill", "relay", "main", "router")
+SPIFFE_PREFIX = "spiffe://pddjax/role/"
+
+_identity: str | None = None  # this process's role: the certificate it dials its peers with
 
 
-class SecurityConfigError(ValueError):
-    """Unreadable TLS material or token (one sentence)."""
+class SecurityConfigError(UserError):
+    """Unreadable TLS material or token, or an unsafe setting (one sentence)."""
+
+
+def cert_file(role: str) -> str:
+    return f"{role}.pem"
+
+
+def key_file(role: str) -> str:
+    return f"{role}-key.pem"
+
+
+def set_identity(role: str | None) -> None:
+    """The role whose certificate this process presents when it dials a peer."""
+    global _identity
+    _identity = role
+
+
+def tls_dir() -> str | None:
+    return os.environ.get(TLS_DIR_ENV) or None
 
 
 @functools.cache
-def tls_material(tls_dir: str | None = None) -> tuple[bytes, bytes, bytes] | None:
-    """(ca, cert, key) PEM bytes, or None when TLS is off."""
-    d = tls_dir or os.environ.get(TLS_DIR_ENV)
-    if not d:
-        return None
+def _read(path: str, what: str) -> bytes:
     try:
-        return tuple(open(os.path.join(d, n), "rb").read() for n in ("ca.pem", "cert.pem", "key.pem"))
+        with open(path, "rb") as f:
+            return f.read()
     except OSError as e:
-        raise SecurityConfigError(f"cannot read TLS material in {d}: {e.strerror} ({e.filename})") from None
+        raise SecurityConfigError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+@functools.cache
+def role_material(role: str, directory: str | None = None) -> tuple[bytes, bytes, bytes] | None:
+    """(ca, cert, key) PEM bytes of `role` from the TLS directory, or None when TLS is off."""
+    d = directory or tls_dir()
+    if d is None:
+        return None
+    if role not in ROLES:
+        raise SecurityConfigError(f"unknown role {role!r} for a TLS identity: use one of {', '.join(ROLES)}")
+    cert = os.path.join(d, cert_file(role))
+    if not os.path.exists(cert) and os.path.exists(os.path.join(d, "cert.pem")):
+        raise SecurityConfigError(f"{d} holds one shared cert.pem; every role needs its own certificate now "
+                                  f"({cert_file(role)}, {key_file(role)}): make a set with `pddjax certs DIR`")
+    return (_read(os.path.join(d, "ca.pem"), "the CA certificate"), _read(cert, f"the {role} certificate"),
+            _read(os.path.join(d, key_file(role)), f"the {role} key"))
+
+
+def channel_credentials(role: str | None = None) -> grpc.ChannelCredentials | None:
+    """Mutual TLS to a peer service with `role`'s identity (default: this process's); a process
+    with no identity (a gateway, a tool) dials as a public client: the CA only. None: plaintext."""
+    role = role or _identity
+    if role is None:
+        return client_credentials()
+    if tls_dir() is None:
+        return None
+    ca, cert, key = role_material(role)
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def server_credentials(role: str) -> grpc.ServerCredentials | None:
+    """`role`'s identity; mutual TLS on internal ports, server-side TLS on the router's public port."""
+    m = role_material(role)
+    if m is None:
+        return None
+    ca, cert, key = m
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=role != "router")
+
+
+def client_credentials(ca: bytes | str | None = None) -> grpc.ChannelCredentials | None:
+    """A public client's TLS: the CA only (PEM bytes or a path; else PDDJAX_TLS_CA, else
+    PDDJAX_TLS_DIR/ca.pem), never a certificate or key. None when none is given (plaintext)."""
+    if ca is None:
+        path = os.environ.get(CA_FILE_ENV) or (os.path.join(tls_dir(), "ca.pem") if tls_dir() else None)
+        if path is None:
+            return None
+        ca = path
+    pem = ca if isinstance(ca, bytes) else _read(ca, "the CA certificate")
+    return grpc.ssl_channel_credentials(root_certificates=pem)
+
+
+def host_of(address: str) -> str:
+    """'host:port' / '[v6]:port' / 'dns:///host:port' -> host."""
+    a = address.split("///", 1)[-1]
+    if a.startswith("["):
+        return a[1:a.find("]")]
+    return a.rsplit(":", 1)[0] if a.count(":") == 1 else a
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost, or '' / '0.0.0.0' (every interface)
+
+
+def listen_problem(role: str, host: str, tls: bool, insecure: bool, token: bool) -> str | None:
+    """One sentence on why `role` must not listen on `host` this way, or None."""
+    if tls or is_loopback(host):
+        return None
+    where = host or "every interface"
+    if role == "router" and token:
+        return (f"the router will not take a bearer token in plaintext on {where}: give it TLS "
+                f"(--tls-dir or {TLS_DIR_ENV}) or listen on a loopback address")
+    if not insecure:
+        return (f"refusing to serve {role} in plaintext on the non-loopback address {where}: give a TLS "
+                f"directory (--tls-dir or {TLS_DIR_ENV}) or pass --insecure (config: insecure = true)")
+    return None
 
 
 @functools.cache
@@ -45,7 +157,8 @@ def router_token(path: str | None = None) -> str | None:
     if not p:
         return None
     try:
-        token = open(p).read().strip()
+        with open(p) as f:
+            token = f.read().strip()
     except OSError as e:
         raise SecurityConfigError(f"cannot read the router token file {p}: {e.strerror}") from None
     if not token:
@@ -53,25 +166,14 @@ def router_token(path: str | None = None) -> str | None:
     return token
 
 
-def channel_credentials() -> grpc.ChannelCredentials | None:
-    m = tls_material()
-    if m is None:
-        return None
-    ca, cert, key = m
-    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+def clear_caches() -> None:
+    """Forget what was read (after the environment changed: CLI flags, tests)."""
+    for f in (_read, role_material, router_token):
+        f.cache_clear()
 
 
-def server_credentials(public: bool) -> grpc.ServerCredentials | None:
-    """Mutual TLS for internal services; server-side TLS for the public (router) port."""
-    m = tls_material()
-    if m is None:
-        return None
-    ca, cert, key = m
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=not public)
-
-
-def auth_metadata() -> list[tuple[str, str]]:
-    token = router_token()
+def auth_metadata(token: str | None = None) -> list[tuple[str, str]]:
+    token = token or router_token()
     return [("authorization", f"Bearer {token}")] if token else []
 
 

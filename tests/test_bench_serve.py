@@ -43,7 +43,7 @@ def test_bench_serve_end_to_end_writes_the_schema(tmp_path):
                         "--no-warmup"], capture_output=True, text=True, timeout=580)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert set(res["modes"]) == {"pdd", "pd-cross", "pd-local", "pdd-drc-off"}
+    assert set(res["modes"]) == {"pdd", "pd-cross", "pd-local", "pdd-drc-off", "pdd-int8"}
     for name, m in res["modes"].items():
         assert m["completed"] == m["requests"] == len(measured), (name, m)
         failed = [x for x in p.stderr.splitlines() if "failed" in x]
@@ -67,6 +67,13 @@ def test_bench_serve_end_to_end_writes_the_schema(tmp_path):
     assert res["modes"]["pd-local"]["wan_bytes"] < res["modes"]["pd-cross"]["wan_bytes"]
     assert res["modes"]["pdd-drc-off"]["wan_bytes"] > res["modes"]["pdd"]["wan_bytes"]
     assert res["outputs"]["identical"], res["outputs"]
+    # pdd with int8 on the WAN (issue 19): MD's link only, lossy so compared, not held identical
+    assert res["modes"]["pdd-int8"]["kv_wire"] == "int8" and res["modes"]["pdd"]["kv_wire"] == "native"
+    assert res["outputs"]["lossy"]["pdd-int8"]["compared"] == len(measured)
+    via_main = [r for r in res["requests"]["pdd-int8"] if r["pipeline"] != "pd-local"]
+    assert via_main and all(r["explain"].endswith("; KV wire MD int8") for r in via_main), via_main
+    assert not any("KV wire" in r["explain"] for m in ("pdd", "pd-cross") for r in res["requests"][m])
+    assert all(set(r) >= {"kv_bytes_to_main", "relay_tokens", "main_tokens"} for r in via_main)
     assert "| pdd |" in p.stdout and "pdd_p99_over_pd_cross" in res["targets"]
     t = res["targets"]
     for k in ("pdd_p99_over_pd_local", "pdd_itl_max_over_pd_local", "pdd_e2e_p50_over_pd_local",

@@ -77,3 +77,54 @@ def test_ordinary_commands_yield_to_the_step_after_their_budget():
     imports = [i for i, x in enumerate(log) if x.startswith("import")]
     assert len(imports) == 5
     assert all("step" in log[a:b] for a, b in zip(imports, imports[1:])), [x for x in log if x != "step"][:20]
+
+
+def test_a_steps_posts_reach_the_loop_in_one_wake_up_in_order_before_the_caller_resumes():
+    """Issue 18: the engine thread hands a step's per-stream posts (one per stream per token) to
+    the event loop together, not one cross-thread wake-up each; what a command posted runs
+    before the coroutine awaiting that command resumes."""
+    got: list = []
+
+    async def main():
+        e = Engine(work=3)
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        real = loop.call_soon_threadsafe
+
+        def counting(fn, *args):
+            nonlocal wakeups
+            wakeups += 1
+            return real(fn, *args)
+
+        loop.call_soon_threadsafe = counting
+        w = EngineWorker(e, loop, on_step=lambda events: [w.post(got.append, ("step", i)) for i in range(32)])
+        try:
+            while e.work:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            before, posted = wakeups, []
+            await w.call(lambda eng: [w.post(posted.append, i) for i in range(5)])
+            return before, list(posted)
+        finally:
+            w.stop()
+
+    wakeups, posted = asyncio.run(main())
+    assert got == [("step", i) for i in range(32)] * 3  # every post, in order
+    assert wakeups <= 3 + 2, wakeups  # one hand-over per step (plus the snapshot's), not 96
+    assert posted == [0, 1, 2, 3, 4]  # ran before the awaiting coroutine resumed
+
+
+def test_queued_token_batches_of_a_stream_leave_as_one_message():
+    from serving.engine.decode import _merge_ready
+    from serving.engine.slot import RpcFailure
+    from serving.pb import cluster_pb2, common_pb2
+
+    q: asyncio.Queue = asyncio.Queue()
+    for i in range(1, 4):
+        q.put_nowait(cluster_pb2.TokenBatch(start_position=i, token_ids=[10 + i]))
+    q.put_nowait(RpcFailure(None, "x"))
+    msg, held = _merge_ready(cluster_pb2.TokenBatch(start_position=0, token_ids=[10]), q)
+    assert list(msg.token_ids) == [10, 11, 12, 13] and isinstance(held, RpcFailure)
+    q.put_nowait(cluster_pb2.TokenBatch(start_position=2, token_ids=[7], finish_reason=common_pb2.FINISH_REASON_STOP))
+    msg, held = _merge_ready(cluster_pb2.TokenBatch(start_position=0, token_ids=[5, 6]), q)
+    assert list(msg.token_ids) == [5, 6, 7] and msg.finish_reason == common_pb2.FINISH_REASON_STOP and held is None

@@ -247,10 +247,14 @@ def test_foreign_fingerprint_refused(tiny):
 def test_out_of_pages_allocates_nothing(tiny):
     from pddjax.kv.allocator import OutOfPages
 
-    eng = engine(tiny, num_pages=8, page_size=8)
-    with pytest.raises(OutOfPages):
+    eng = engine(tiny, num_pages=8, page_size=8)  # 7 pages of 8: 56 tokens per request at most
+    with pytest.raises(ValueError, match="can never fit"):  # more than the whole pool
         eng.add("big", prompt(60, 1), GREEDY, 30, NO_STOP)
     assert eng.allocator.num_used == 0 and not eng.seqs
+    eng.add("a", prompt(30, 2), GREEDY, 10, NO_STOP)  # 5 pages
+    with pytest.raises(OutOfPages):  # 4 pages: fits the pool, not what is free now
+        eng.add("b", prompt(20, 3), GREEDY, 10, NO_STOP)
+    assert eng.allocator.num_used == 5 and list(eng.seqs) == ["a"]
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])

@@ -88,3 +88,58 @@ def test_health_checks_take_an_instance_out_and_back():
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_what_users_see_names_no_internal_address():
+    """Issue 17, defect 10: a tier's gRPC error (which names its peer's host:port) reaches the user
+    with the instance's name instead, and any other host:port replaced."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            ch.unary_unary("/pddjax.Decode/Reserve")(b"", timeout=2)
+        except grpc.RpcError as e:
+            details = e.details()
+    md = pools.Pool("main", [f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]).instances[0]
+    text = f"MD cannot take over: {details}; KV via 127.0.0.1:{port + 1}; also [::1]:5000 and db.internal:6379"
+    public = pools.public_text(text, [md])
+    print(public)
+    assert str(port) in details  # gRPC's own message names the address...
+    assert str(port) not in public and str(port + 1) not in public  # ...the user's does not
+    assert "MD0" in public and "5000" not in public and "6379" not in public
+    assert pools.public_text("top_p must be in (0, 1], got 1.5", [md]) == "top_p must be in (0, 1], got 1.5"
+
+
+def test_stats_the_operators_view_is_not_answered_to_remote_users():
+    """Issue 17, defect 10: Stats lists every tenant's counters and the instances' addresses, so
+    the router answers it to callers on its own host only."""
+    from pddjax.model.config import TINY
+    from serving.config import RouterSettings
+    from serving.router.service import RouterService
+
+    class Ctx:
+        def __init__(self, peer):
+            self._peer = peer
+
+        def peer(self):
+            return self._peer
+
+        async def abort(self, code, message):
+            raise grpc.RpcError(code, message)
+
+    async def main():
+        svc = RouterService(RouterSettings(prefill=["10.0.0.1:1"], relay=["10.0.0.2:1"], main=["10.0.0.3:1"]), TINY,
+                            None)
+        local = await svc.Stats(None, Ctx("ipv4:127.0.0.1:50312"))
+        try:
+            await svc.Stats(None, Ctx("ipv4:10.1.2.3:50312"))
+        except grpc.RpcError as e:
+            return local, e.args
+        return local, None
+
+    local, refused = asyncio.run(main())
+    assert "10.0.0.3:1" in local.json  # the operator, on the router's host, sees the addresses
+    assert refused is not None and refused[0] == grpc.StatusCode.PERMISSION_DENIED, refused

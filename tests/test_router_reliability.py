@@ -3,9 +3,10 @@ real service processes on loopback (tiny model), plus its Prometheus metrics:
 
   - admission is bounded: with max_inflight=1 and max_queue=0, requests sent while one is
     served get RESOURCE_EXHAUSTED with a sentence within 2 s; the admitted one is exact;
-  - an `auto` request that no MD can hold (MD's pool is too small: it answers
-    RESOURCE_EXHAUSTED on Reserve) completes pd-local via RLD, explained and counted as
-    main-full, token-identical to a pd-local run; an explicit pd-cross or pdd keeps the error;
+  - an `auto` request that no MD can ever hold (MD's pool is too small) completes pd-local via
+    RLD (main-too-small), token-identical to a pd-local run; an explicit pd-cross or pdd is
+    INVALID_ARGUMENT saying so; one that MD cannot hold *now* (full) goes pd-local as main-full,
+    and an explicit pdd keeps the retryable RESOURCE_EXHAUSTED;
   - a client deadline too short to finish -> DEADLINE_EXCEEDED, and every tier (P, RLD, MD)
     holds no request and no page soon after;
   - the router's /metrics counts what happened (TTFT, ITL, pipelines, handoffs, failures, WAN bytes).
@@ -29,7 +30,7 @@ from pddjax.errors import UserError
 from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, RouterError, make_request
 from serving.config import service_config
-from serving.pb import router_pb2, router_pb2_grpc
+from serving.pb import cluster_pb2, cluster_pb2_grpc, router_pb2, router_pb2_grpc
 from serving.router.admission import Admission, Deadline, Refused
 from tests.serving_stack import Stack
 from tests.test_serving_pipelines import assert_idle
@@ -183,22 +184,62 @@ def test_past_max_inflight_and_max_queue_refused_fast_admitted_exact(stack, clie
     assert_idle(stack, timeout=30)
 
 
-def test_auto_falls_back_to_pd_local_when_main_is_full(stack, client, ref):
-    p = prompt(100, 3)  # 100 + 24 tokens: more than MD's 112
+def test_a_request_no_md_can_ever_hold_goes_pd_local_or_is_invalid(stack, client, ref):
+    """Issue 17, defect 4: 100 + 24 tokens exceed MD's whole pool (112): auto serves it pd-local
+    (reason main-too-small, no Reserve sent), an explicit pd-cross or pdd is INVALID_ARGUMENT
+    saying so, not a RESOURCE_EXHAUSTED that a client would retry forever."""
+    p = prompt(100, 3)
     before = scrape(stack)
     r = client.generate(req(p, 24, "auto"), timeout=120)
     local = client.generate(req(p, 24, "pd-local"), timeout=120)
     assert r.pipeline == "pd-local" and set(r.sources) == {"relay"}
-    assert "main-full" in r.explain and "RESOURCE_EXHAUSTED" in r.explain, r.explain
+    assert "main-too-small" in r.explain, r.explain
     assert r.token_ids == local.token_ids == greedy(ref, p, 24)
     after = scrape(stack)
-    assert metric(after, "pddjax_router_pipeline_total", pipeline="pd-local", reason="main-full") - metric(
-        before, "pddjax_router_pipeline_total", pipeline="pd-local", reason="main-full") == 1
-    assert router_stats(stack)["counters"]["fallback.pd-local.main-full"] >= 1
-    for pipeline in ("pd-cross", "pdd"):  # asked for MD explicitly: the error stands
+    assert metric(after, "pddjax_router_pipeline_total", pipeline="pd-local", reason="main-too-small") - metric(
+        before, "pddjax_router_pipeline_total", pipeline="pd-local", reason="main-too-small") == 1
+    for pipeline in ("pd-cross", "pdd"):  # asked for MD explicitly: refused, and why
         with pytest.raises(RouterError) as e:
             client.generate(req(p, 24, pipeline), timeout=60)
-        assert e.value.code == RE and "main pool cannot hold" in str(e.value)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "can never fit MD's KV pool (112 tokens per request)" in str(e.value), e.value
+    assert_idle(stack, timeout=30)
+
+
+def test_a_full_main_sends_auto_pd_local_and_queues_an_explicit_pdd(stack, client, ref):
+    """MD could hold the request but is full now (another request holds its pages): auto serves
+    it pd-local at once (main-full, counted); an explicit pdd waits in MD's page queue (issue
+    18, point 3) and completes token-exact once the pages free, its wait in timings and TTFT."""
+    with grpc.insecure_channel(stack.addr["main"]) as ch:  # what another router's request would hold
+        md = cluster_pb2_grpc.DecodeStub(ch)
+        md.Reserve(cluster_pb2.ReserveRequest(spec=cluster_pb2.SequenceSpec(
+            request_id="occupant", prompt=prompt(80, 9), max_tokens=16)), timeout=30)
+        released = False
+        try:
+            p = prompt(40, 4)  # 40 + 24 tokens: MD's 7 pages could hold it, but 6 are taken
+            before = scrape(stack)
+            r = client.generate(req(p, 24, "auto"), timeout=120)
+            assert r.pipeline == "pd-local" and "main-full" in r.explain, r.explain
+            assert r.token_ids == greedy(ref, p, 24)
+            after = scrape(stack)
+            assert metric(after, "pddjax_router_pipeline_total", pipeline="pd-local", reason="main-full") - metric(
+                before, "pddjax_router_pipeline_total", pipeline="pd-local", reason="main-full") == 1
+            assert router_stats(stack)["counters"]["fallback.pd-local.main-full"] >= 1
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                queued = pool.submit(client.generate, req(p, 24, "pdd"), timeout=120)
+                time.sleep(2.0)
+                assert not queued.done()  # waiting for MD's pages, not refused
+                md.Release(cluster_pb2.ReleaseRequest(request_id="occupant", cancel=True), timeout=30)
+                released = True
+                r = queued.result(timeout=120)
+        finally:
+            if not released:
+                md.Release(cluster_pb2.ReleaseRequest(request_id="occupant", cancel=True), timeout=30)
+    assert r.pipeline == "pdd" and r.token_ids == greedy(ref, p, 24)
+    print(f"pdd waited {r.timings['queued_ms']:.0f} ms for MD's pages; TTFT {r.timings['ttft_ms']:.0f} ms")
+    assert r.timings["queued_ms"] >= 1500 and r.timings["ttft_ms"] >= r.timings["queued_ms"]
+    waits = metric(scrape(stack), "pddjax_router_page_wait_seconds_count", tier="main")
+    assert waits >= 1
     assert_idle(stack, timeout=30)
 
 

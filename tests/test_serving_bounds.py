@@ -7,6 +7,7 @@ call is INVALID_ARGUMENT with a sentence, and the engine goes on serving the oth
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import numpy as np
@@ -18,7 +19,7 @@ from serving import rpc
 from serving.engine.decode import DecodeService
 from serving.kvwire import chunks
 from serving.pb import cluster_pb2
-from tests.inprocess import Ctx, Refused, engine, prefill_runs
+from tests.inprocess import SMALL, Ctx, Refused, engine, prefill_runs
 from tests.inprocess import aiter as _aiter
 
 pytestmark = pytest.mark.timeout(120)
@@ -86,3 +87,41 @@ def test_out_of_vocabulary_tokens_are_refused_and_the_engine_serves_on(tiny):
     assert kv_err.code == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in kv_err.message, kv_err.message
     assert handoff_err.code == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in handoff_err.message
     assert out == want
+
+
+def test_a_request_larger_than_the_whole_pool_is_invalid_not_retryable(tiny):
+    """Issue 17, defect 4: a pool of 16 pages holds 15 x 16 = 240 tokens per request. A
+    Reserve for more is INVALID_ARGUMENT saying it can never fit (a RESOURCE_EXHAUSTED would
+    be retried forever); one that fits the pool but not what is free now stays RESOURCE_EXHAUSTED."""
+    eng = engine(tiny, dataclasses.replace(SMALL, num_pages=16))
+    assert eng.max_sequence_tokens == 15 * 16
+
+    def reserve(rid, n_prompt, max_tokens):
+        prompt = np.random.default_rng(n_prompt).integers(3, 512, n_prompt).tolist()
+        return cluster_pb2.ReserveRequest(spec=cluster_pb2.SequenceSpec(
+            request_id=rid, prompt=prompt, sampling=rpc.sampling_to_pb(GREEDY), max_tokens=max_tokens))
+
+    async def main():
+        svc = DecodeService("relay", eng, tiny.config, {})
+        svc.start(asyncio.get_running_loop())
+        try:
+            out = {}
+            with pytest.raises(Refused) as never:
+                await svc.Reserve(reserve("big", 40, 250), Ctx())  # 290 tokens: 19 pages
+            out["never"] = never.value
+            await svc.Reserve(reserve("a", 40, 150), Ctx())  # 12 pages held
+            with pytest.raises(Refused) as now:
+                await svc.Reserve(reserve("b", 40, 100), Ctx())  # 9 pages: fits the pool, not now
+            out["now"] = now.value
+            await svc.Release(cluster_pb2.ReleaseRequest(request_id="a", cancel=True), Ctx())
+            await svc.Reserve(reserve("b", 40, 100), Ctx())  # now it fits
+            await svc.Release(cluster_pb2.ReleaseRequest(request_id="b", cancel=True), Ctx())
+            return out
+        finally:
+            svc.worker.stop()
+
+    out = asyncio.run(main())
+    assert out["never"].code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "can never fit this engine's KV pool (240 tokens per request)" in out["never"].message
+    assert out["now"].code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    eng.check_integrity()

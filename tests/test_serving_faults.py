@@ -155,8 +155,12 @@ class Run:
         self.tokens, self.sources, self.explain = [], [], ""
         self.code, self.details, self.finish = None, "", None
 
-    def address(self, tier: str) -> str:
-        return re.search(rf"\b{tier} ([\d.]+:\d+)", self.explain).group(1)
+    def address(self, tier: str, stack) -> str:
+        """The address of the `tier` ("P", "RLD", "MD") this request used: the explain line names
+        instances ("[P0, RLD1, MD0]"), never addresses; the router's Stats maps names to them."""
+        name = re.search(rf"\b({tier}\d+)\b", self.explain).group(1)
+        assert not re.search(r"\d+\.\d+\.\d+\.\d+:\d+|localhost:\d+", self.explain), self.explain
+        return next(i["address"] for i in stack.stats()["instances"] if i["name"] == name)
 
 
 def run(stack, req, on_message=None, timeout=120.0) -> Run:
@@ -385,7 +389,7 @@ def test_blackholed_wan_is_detected_within_the_push_timer(stack, ref):
 def _kill_after(stack, tier: str, tokens: int):
     def on_message(r):
         if len(r.tokens) >= tokens and not getattr(r, "killed", None):
-            r.killed = r.address(tier)
+            r.killed = r.address(tier, stack)
             stack.kill(r.killed)
     return on_message
 

@@ -15,6 +15,7 @@ import signal
 import time
 import urllib.request
 
+import grpc
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from pddjax.engines.reference import ReferenceEngine
 from pddjax.model import weights as wmod
 from pddjax.model.dense import forward_full
 from pddjax.model.sampling_params import SamplingParams
-from serving.client import Client, make_request
+from serving.client import Client, RouterError, make_request
 from tests.serving_stack import UpProcess, pid_alive
 
 pytestmark = pytest.mark.timeout(400)
@@ -92,6 +93,44 @@ def test_heterogeneous_stack_within_dtype_tolerance(up, tiny, f32, pipeline, han
             assert gap <= TOL
     finally:
         c.close()
+
+
+def wait_restarted(up, role: str, old_pid: int, timeout: float = 240.0) -> dict:
+    """The state file's `role` service once it runs again under a new pid, ready (metrics listed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        svc = next(x for x in up.read_state()["services"] if x["role"] == role)
+        if svc["pid"] != old_pid and pid_alive(svc["pid"]) and svc["metrics"]:
+            return svc
+        time.sleep(0.5)
+    raise AssertionError(f"the {role} service was not restarted within {timeout} s")
+
+
+def test_a_dead_service_is_restarted_not_the_stack_torn_down(up, tiny, f32):
+    """Issue 17, defect 11: the router and RLD killed (SIGKILL): `pddjax up` starts each again on
+    its address, and the stack serves pdd requests through the same router address."""
+    before = {x["role"]: x for x in up.read_state()["services"]}
+    for role in ("router", "relay"):
+        os.kill(before[role]["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    after = {role: wait_restarted(up, role, before[role]["pid"]) for role in ("router", "relay")}
+    print(f"router and RLD serving again after {time.monotonic() - t0:.1f} s")
+    assert up.proc.poll() is None  # the stack is still up
+    for role in ("router", "relay"):
+        assert after[role]["address"] == before[role]["address"]
+    c = Client(up.state["router"])
+    p, r, deadline = prompt(40, 7), None, time.monotonic() + 60
+    try:
+        while r is None:  # the router's health checks bring RLD back into the rotation within seconds
+            try:
+                r = c.generate(make_request(p, max_tokens=12, pipeline="pdd", ignore_eos=True), timeout=240)
+            except RouterError as e:
+                assert e.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
+                time.sleep(1)
+    finally:
+        c.close()
+    assert r.pipeline == "pdd" and r.sources[0] == "relay" and len(r.token_ids) == 12, r
+    assert max_gap(tiny, f32, p, r.token_ids) <= TOL
 
 
 def test_sigterm_stops_every_process(up):

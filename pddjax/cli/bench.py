@@ -1,6 +1,8 @@
 """`pddjax bench ...`: benchmarks that print figures (never timed unit tests).
 
 - `bench serve` (serving/bench/serve.py): the agentic trace through pdd, pd-cross, pd-local.
+- `bench serving` (serving/bench/serving_load.py): N concurrent streams per pipeline vs the engine alone.
+- `bench kv-quality` (serving/bench/kv_quality.py): each KV wire format's cost, teacher-forced.
 - `bench reference`: real-model load time (GGUF cold vs orbax cache), prefill tokens/s at a
   512-token prompt, decode tokens/s at batch 1, all through the monolithic reference engine.
 """
@@ -26,9 +28,9 @@ def register(sub) -> None:
     r.add_argument("--json", help="also write the figures to this file")
     r.set_defaults(func=run_reference)
     from pddjax.cli import bench_engine
-    from serving.bench import handoff, serve
+    from serving.bench import handoff, kv_quality, serve, serving_load
 
-    for module in (bench_engine, handoff, serve):
+    for module in (bench_engine, handoff, serve, kv_quality, serving_load):
         module.register(bsub)
 
 

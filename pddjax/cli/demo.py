@@ -150,6 +150,17 @@ def turn(client, tok, cfg, messages: list[dict], max_tokens: int, pipeline: str)
     return r
 
 
+def curl_line(base_url: str, model: str = "smollm2-135m") -> str:
+    """A `curl` a user can paste: one streamed chat turn through the gateway (serving/openai)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Name three lighthouses."}],
+                       "max_tokens": 48, "stream": True})
+    from serving import security
+
+    token_file = os.environ.get(security.TOKEN_FILE_ENV)  # the router's bearer token is the API key
+    auth = f' -H "Authorization: Bearer $(cat {token_file})"' if token_file else ""
+    return f"curl -N {base_url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
 def main() -> int:
     from pddjax.model.meta import model_facts
     from serving.client import Client, make_request
@@ -167,6 +178,9 @@ def main() -> int:
             st = json.load(f)
         print(f"up in {time.perf_counter() - t0:.0f} s: router {st['router']}, MD behind the WAN link "
               f"{st['wan']['address']} ({st['wan']['mbps']:.0f} Mb/s, {st['wan']['latency_ms']:.0f} ms)")
+        if st.get("openai"):
+            print(f"OpenAI-compatible API on {st['openai']}: while the demo runs, chat from another terminal with\n"
+                  f"  {curl_line(st['openai'])}")
         client = Client(st["router"])
         print("warming up (compiles what the engines did not precompile; the router measures the link and RLD; "
               "another logbook for the long context) ...", flush=True)

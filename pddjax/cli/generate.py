@@ -18,11 +18,13 @@ from pddjax.errors import UserError
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text locally (or through a router)")
-    p.add_argument("--model", default="smollm2-135m", help="tiny | smollm2-135m | PATH.gguf")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="tiny | smollm2-135m | PATH.gguf | a Hugging Face checkpoint DIR (config.json, *.safetensors)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (no BOS added unless the GGUF says add_bos_token)")
+    src.add_argument("--prompt", help="prompt text (no BOS added unless the GGUF says add_bos_token, "
+                     "or a checkpoint's tokenizer.json post-processor adds one)")
     src.add_argument("--prompt-ids", help="comma-separated token IDs, e.g. 1,2,3")
-    p.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn with the GGUF's chat template")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn with the model's chat template")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -53,7 +55,7 @@ def parse_ids(text: str, what: str) -> list[int]:
 def prepare(args):
     """Validate flags, load the model, build prompt ids. Returns (model, prompt_ids, params, stop_ids)."""
     from pddjax.model.gguf_meta import GGUFError
-    from pddjax.model.registry import ModelNotFound, load_model
+    from pddjax.model.registry import CheckpointError, ModelNotFound, load_model
     from pddjax.model.sampling_params import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -65,7 +67,7 @@ def prepare(args):
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     try:
         model = load_model(args.model)
-    except (ModelNotFound, GGUFError) as e:
+    except (ModelNotFound, GGUFError, CheckpointError) as e:
         raise UserError(str(e)) from None
     tok, cfg = model.tokenizer, model.config
     if args.prompt is not None:
@@ -73,8 +75,11 @@ def prepare(args):
             raise UserError(f"model {args.model} has no tokenizer: pass --prompt-ids")
         if not args.prompt:
             raise UserError("the prompt is empty")
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-        prompt_ids = tok.encode(text)
+        chat = [{"role": "user", "content": args.prompt}]
+        try:  # a chat keeps special-token text typed in the prompt plain (chat_template.encode_chat)
+            prompt_ids = tok.encode_chat(chat) if args.chat else tok.encode(args.prompt)
+        except ValueError as e:  # no chat template, or the template raised
+            raise UserError(f"cannot render the chat: {e}") from None
     else:
         if args.chat:
             raise UserError("--chat needs --prompt text, not --prompt-ids")
@@ -138,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
 
     configure()
     model, prompt_ids, params, stop_ids = prepare(args)
+    if not args.json and model.source != "random":  # what was loaded, how long, peak host memory
+        print(f"pddjax: {model.describe()}", file=sys.stderr)
     tok = model.tokenizer
     t0 = time.perf_counter()
     ttft, tokens, printed = None, [], ""
@@ -157,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                "prompt_ids": prompt_ids, "token_ids": tokens,
                "text": tok.decode(tokens, skip_special=True) if tok else None, "finish_reason": finish,
                "ttft_ms": round(1e3 * ttft, 2), "total_ms": round(1e3 * total, 2),
-               "load_s": round(model.load_seconds, 3), "weights_from": model.source}
+               "load_s": round(model.load_seconds, 3), "weights_from": model.source, "load_memory": model.memory}
         print(json.dumps(out))
     elif tok is None:
         print(",".join(map(str, tokens)))

@@ -13,17 +13,21 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="run one PDD service (prefill, relay, main or router)")
-    p.add_argument("role", choices=["prefill", "relay", "main", "router"])
-    p.add_argument("--config", required=True, help="stack config (TOML or JSON), see configs/")
+    p = sub.add_parser("serve", help="run one PDD service (prefill, relay, main, router, or the openai gateway)")
+    p.add_argument("role", choices=["prefill", "relay", "main", "router", "openai"])
+    p.add_argument("--config", help="stack config (TOML or JSON), see configs/ (every role but openai)")
     p.add_argument("--port", type=int, default=None, help="listen port (default: the config's; 0 = any)")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
+    _openai_flags(p)
     _security_flags(p)
     p.set_defaults(func=run_serve)
 
     u = sub.add_parser("up", help="start P, RLD, MD and the router on this machine behind a slowable WAN link")
     u.add_argument("--config", help="stack config (TOML or JSON); default configs/pddjax.toml")
     u.add_argument("--port", type=int, default=50051, help="router port")
+    u.add_argument("--openai-port", type=int, default=0,
+                   help="port of the OpenAI-compatible HTTP gateway (default: any free one; its base URL is printed "
+                        "and in the state file as `openai`)")
     u.add_argument("--state", help="write a JSON state file (services, pids, addresses)")
     u.add_argument("--model", help="override the config's model")
     u.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override every engine's dtype")
@@ -32,33 +36,95 @@ def register(sub) -> None:
     u.add_argument("--wan-capacity-mbps", type=float,
                    help="tell the router the link's provisioned A -> B rate ([router] wan_mbps: the estimate's prior "
                         "and cap; default: unknown, the router measures the link it is given)")
+    u.add_argument("--kv-wire", metavar="FORMAT",
+                   help="KV wire format of P -> MD over the WAN ([wan] kv_wire): native (default, exact), bf16, int8, "
+                        "fp8, each optionally +zstd (e.g. int8+zstd); the lossy ones trade exactness for bytes")
     u.add_argument("--instances", default="1,1,1", metavar="P,R,M",
                    help="how many prefill, relay and main instances to start (default 1,1,1)")
     _security_flags(u)
+    u.add_argument("--tls", action="store_true",
+                   help="make a development CA and per-role certificates (pddjax certs) in a new directory and run "
+                        "the stack with them (the state file names it as `tls_dir`; clients need its ca.pem only)")
     u.set_defaults(func=run_up)
+
+    c = sub.add_parser("certs", help="make a development CA and one TLS certificate per role (for --tls-dir)")
+    c.add_argument("dir", help="directory to write ca.pem and <role>.pem / <role>-key.pem into (must hold none)")
+    c.add_argument("--host", action="append", default=[],
+                   help="a DNS name or IP address the services are reached at (repeatable; default localhost and "
+                        "127.0.0.1)")
+    c.add_argument("--days", type=int, default=30, help="validity in days (default 30)")
+    c.set_defaults(func=run_certs)
+
+
+def _openai_flags(p) -> None:
+    """`pddjax serve openai`: the OpenAI-compatible HTTP gateway (serving/openai) in front of a router."""
+    g = p.add_argument_group("openai (the HTTP gateway)")
+    g.add_argument("--router", metavar="HOST:PORT", help="the router's address (openai: required)")
+    g.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
+    g.add_argument("--model", help="the served model (its name and weights fingerprint in responses; requests must "
+                                   "name it); default: any name accepted")
+    g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request names none")
+
+
+def run_openai(args) -> int:
+    if not args.router:
+        raise UserError("pddjax serve openai needs --router HOST:PORT")
+    if args.default_max_tokens < 1:
+        raise UserError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    import ipaddress
+
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not args.insecure:  # the HTTP side has no TLS of its own: API keys would cross in plaintext
+        raise UserError(f"refusing to serve the OpenAI gateway in plaintext on {args.host}: requests carry the "
+                        "router's token; listen on a loopback address behind a TLS proxy, or pass --insecure")
+    apply_security_flags(args)
+    _die_with_parent()
+    from serving.openai.server import serve
+
+    asyncio.run(serve(args.router, args.host, 8000 if args.port is None else args.port, args.model, args.ready_file,
+                      args.default_max_tokens))
+    return 0
 
 
 def _security_flags(p) -> None:
-    p.add_argument("--tls-dir", help="ca.pem, cert.pem, key.pem: mutual TLS between services, TLS on the router "
-                                     "(sets PDDJAX_TLS_DIR for this process and the services it starts)")
+    p.add_argument("--tls-dir", help="ca.pem and <role>.pem / <role>-key.pem per role (pddjax certs): mutual TLS "
+                                     "between services with per-role authorisation, TLS on the router (sets "
+                                     "PDDJAX_TLS_DIR for this process and the services it starts)")
     p.add_argument("--auth-token-file", help="bearer token the router requires (sets PDDJAX_ROUTER_TOKEN_FILE)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow plaintext on a non-loopback host (config: insecure = true); never with a token")
+    p.add_argument("--reflection", action="store_true", help="serve grpc reflection (config: reflection = true)")
 
 
-def apply_security_flags(args) -> None:
-    """Flags -> environment, so every child process and client in this process sees them."""
+def apply_security_flags(args, roles=()) -> None:
+    """Flags -> environment, so every child process and client in this process sees them;
+    the token and `roles`' TLS material are read now (a bad one: one sentence, exit 2)."""
     from serving import security
 
     if getattr(args, "tls_dir", None):
         os.environ[security.TLS_DIR_ENV] = os.path.abspath(args.tls_dir)
     if getattr(args, "auth_token_file", None):
         os.environ[security.TOKEN_FILE_ENV] = os.path.abspath(args.auth_token_file)
+    security.clear_caches()
+    security.router_token()
+    for role in roles:
+        security.role_material(role)
+
+
+def run_certs(args) -> int:
+    from serving.certs import DEFAULT_HOSTS, make_dev_certs
+
+    if args.days < 1:
+        raise UserError(f"--days must be at least 1, got {args.days}")
     try:
-        security.tls_material.cache_clear()
-        security.router_token.cache_clear()
-        security.tls_material()
-        security.router_token()
-    except security.SecurityConfigError as e:
+        files = make_dev_certs(args.dir, tuple(args.host) or DEFAULT_HOSTS, args.days)
+    except (FileExistsError, OSError) as e:
         raise UserError(str(e)) from None
+    print(f"pddjax certs: {len(files)} files in {args.dir} (clients of the router need only ca.pem)")
+    return 0
 
 
 def _die_with_parent() -> None:
@@ -86,12 +152,17 @@ def _pin_cpus() -> None:
 
 
 def run_serve(args) -> int:
+    if args.role == "openai":
+        return run_openai(args)
+    if not args.config:
+        raise UserError(f"pddjax serve {args.role} needs --config FILE")
     _pin_cpus()
-    apply_security_flags(args)
+    apply_security_flags(args, [args.role])
     from serving.config import read_file, service_config
     from serving.stack.server import serve
 
     cfg = service_config(read_file(args.config), args.role, args.port)
+    cfg.insecure, cfg.reflection = cfg.insecure or args.insecure, cfg.reflection or args.reflection
     _die_with_parent()
     import faulthandler
     import signal
@@ -131,11 +202,17 @@ def load_stack(args) -> dict:
         if args.wan_latency_ms < 0:
             raise UserError(f"--wan-latency-ms must be >= 0, got {args.wan_latency_ms}")
         wan["latency_ms"] = args.wan_latency_ms
+    if args.kv_wire is not None:
+        wan["kv_wire"] = args.kv_wire  # checked with the router's config below
+        stack.get("router", {}).pop("kv_wire", None)
     stack["wan"] = wan
     if args.wan_capacity_mbps is not None:
         if args.wan_capacity_mbps < 0:
             raise UserError(f"--wan-capacity-mbps must be >= 0, got {args.wan_capacity_mbps}")
         stack["router"] = {**stack.get("router", {}), "wan_mbps": args.wan_capacity_mbps}
+    for flag in ("insecure", "reflection"):
+        if getattr(args, flag, False):
+            stack[flag] = True
     for r in (*ENGINE_ROLES, "router"):  # validate before starting anything
         service_config(stack, r)
     for r in ENGINE_ROLES:
@@ -144,7 +221,21 @@ def load_stack(args) -> dict:
 
 
 def run_up(args) -> int:
-    apply_security_flags(args)
+    from serving import security
+
+    stack = load_stack(args)
+    if args.tls:
+        import tempfile
+
+        from serving.certs import DEFAULT_HOSTS, make_dev_certs
+
+        if args.tls_dir:
+            raise UserError("give --tls (make development certificates) or --tls-dir DIR (use these), not both")
+        args.tls_dir = tempfile.mkdtemp(prefix="pddjax-tls-")
+        host = stack.get("host", "127.0.0.1")
+        make_dev_certs(args.tls_dir, DEFAULT_HOSTS + ((host,) if host not in DEFAULT_HOSTS else ()))
+        print(f"pddjax up: development TLS certificates in {args.tls_dir} (clients need its ca.pem only)", flush=True)
+    apply_security_flags(args, security.ROLES)
     from serving.stack.up import run_stack
 
     try:
@@ -153,4 +244,5 @@ def run_up(args) -> int:
         instances = ()
     if len(instances) != 3 or min(instances) < 1:
         raise UserError(f"--instances wants three counts >= 1 like 2,2,2, got {args.instances!r}")
-    return asyncio.run(run_stack(load_stack(args), args.port, args.state, instances=instances))
+    return asyncio.run(run_stack(stack, args.port, args.state, instances=instances,
+                                 openai_port=args.openai_port))

@@ -87,15 +87,31 @@ class PagedEngine:
         return len(held)
 
     # ---- admission -------------------------------------------------------------------
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most tokens (prompt + output) one request can ever hold: the whole pool but page 0."""
+        return self.allocator.capacity * self.config.page_size
+
+    def never_fits(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """One sentence if prompt + max_tokens exceed the whole pool (static: any thread may ask)."""
+        if pages_needed(prompt_tokens + max_tokens, self.config.page_size) > self.allocator.capacity:
+            return (f"prompt of {prompt_tokens} tokens plus max_tokens {max_tokens} can never fit this engine's KV "
+                    f"pool ({self.max_sequence_tokens} tokens per request)")
+        return None
+
     def add(self, seq_id: str, prompt: list[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
             stop_ids=None, *, hold_on_finish: bool = False, use_cache: bool = True) -> Sequence:
         """Admit a sequence; returns it (`seq.pages.num_cached` = prefix-cache hit in tokens).
-        Raises OutOfPages (nothing allocated) if prompt + max_tokens cannot be reserved."""
+        Raises OutOfPages (nothing allocated) if prompt + max_tokens cannot be reserved now, and
+        ValueError if they never can (more than `max_sequence_tokens`)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         if not prompt or len(prompt) + max_tokens > self.cfg.max_context:
             raise ValueError(f"prompt of {len(prompt)} tokens plus {max_tokens} does not fit the context")
         S = self.config.page_size
+        never = self.never_fits(len(prompt), max_tokens)
+        if never:
+            raise ValueError(never)
         cached_pages, node = [], None
         if use_cache and self.config.prefix_cache:
             m = self.radix.match_prefix(prompt)

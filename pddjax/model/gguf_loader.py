@@ -1,9 +1,11 @@
-"""Load a Llama-family GGUF's weights, dequantized, as a `Weights` pytree (its config and
-metadata: `gguf_meta.py`).
+"""Load a llama / qwen2 / qwen3 GGUF's weights, dequantized, as a `Weights` pytree (its config
+and metadata: `gguf_meta.py`).
 
 Dequantization uses the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1 and the k-quants it
-supports). GGUF's converter permutes Q/K rows so llama.cpp can apply RoPE to adjacent pairs;
-we undo it so RoPE uses the HF "rotate_half" convention and our KV matches HF's layout.
+supports). For `llama`, GGUF's converter permutes Q/K rows so llama.cpp can apply RoPE to
+adjacent pairs; we undo it so RoPE uses the HF "rotate_half" convention and our KV matches HF's
+layout. qwen2 / qwen3 are converted unpermuted (llama.cpp runs them with NeoX-style RoPE, which
+is rotate_half). qwen2 adds blk.N.attn_{q,k,v}.bias, qwen3 blk.N.attn_{q,k}_norm.weight.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from pddjax.model.config import ModelConfig
-from pddjax.model.gguf_meta import GGUFError
-from pddjax.model.weights import LayerWeights, Weights
+from pddjax.model.gguf_meta import GGUFError, field
+from pddjax.model.weights import OPTIONAL_LAYER_WEIGHTS, LayerWeights, Weights
 
 
 def dequantize(tensor) -> np.ndarray:
@@ -36,6 +38,8 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def load_weights(reader, cfg: ModelConfig) -> Weights:
     """Dequantize every tensor into a float32 `Weights` (layers stacked)."""
+    permuted = field(reader, "general.architecture") == "llama"
+    unpermute = unpermute_qk if permuted else (lambda w, n: w)
     tensors = {t.name: t for t in reader.tensors}
     E, H, K, D, L = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
 
@@ -44,12 +48,13 @@ def load_weights(reader, cfg: ModelConfig) -> Weights:
             raise GGUFError(f"GGUF is missing tensor {name}")
         return dequantize(tensors[name])
 
-    per_layer = {k: [] for k in LayerWeights.__dataclass_fields__}
+    optional = (("bq", "bk", "bv") if cfg.qkv_bias else ()) + (("q_norm", "k_norm") if cfg.qk_norm else ())
+    per_layer = {k: [] for k in LayerWeights.__dataclass_fields__ if k not in OPTIONAL_LAYER_WEIGHTS or k in optional}
     for i in range(L):
         b = f"blk.{i}."
         per_layer["attn_norm"].append(get(b + "attn_norm.weight"))
-        wq = unpermute_qk(get(b + "attn_q.weight"), H)  # [H*D, E]
-        wk = unpermute_qk(get(b + "attn_k.weight"), K)  # [K*D, E]
+        wq = unpermute(get(b + "attn_q.weight"), H)  # [H*D, E]
+        wk = unpermute(get(b + "attn_k.weight"), K)  # [K*D, E]
         per_layer["wq"].append(wq.T.reshape(E, H, D))
         per_layer["wk"].append(wk.T.reshape(E, K, D))
         per_layer["wv"].append(get(b + "attn_v.weight").T.reshape(E, K, D))
@@ -58,6 +63,13 @@ def load_weights(reader, cfg: ModelConfig) -> Weights:
         per_layer["w_gate"].append(get(b + "ffn_gate.weight").T)  # [E, F]
         per_layer["w_up"].append(get(b + "ffn_up.weight").T)
         per_layer["w_down"].append(get(b + "ffn_down.weight").T)  # [F, E]
+        if cfg.qkv_bias:
+            per_layer["bq"].append(get(b + "attn_q.bias").reshape(H, D))
+            per_layer["bk"].append(get(b + "attn_k.bias").reshape(K, D))
+            per_layer["bv"].append(get(b + "attn_v.bias").reshape(K, D))
+        if cfg.qk_norm:
+            per_layer["q_norm"].append(get(b + "attn_q_norm.weight"))  # [D]
+            per_layer["k_norm"].append(get(b + "attn_k_norm.weight"))
     layers = LayerWeights(**{k: np.ascontiguousarray(np.stack(v)) for k, v in per_layer.items()})
     embed = get("token_embd.weight")  # [V, E]
     lm_head = None if cfg.tie_embeddings else np.ascontiguousarray(get("output.weight").T)

@@ -15,7 +15,7 @@ def configure(platform: str | None = None) -> None:
         return
     import jax
 
-    from pddjax.model.checkpoint_cache import cache_root
+    from pddjax.model.fingerprint import cache_root
 
     if platform:
         jax.config.update("jax_platforms", platform)

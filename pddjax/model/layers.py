@@ -6,10 +6,12 @@ V vocab. Norms and softmax accumulate in float32; matmuls run in the weights' dt
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from pddjax.model.config import ModelConfig
+from pddjax.model.config import ModelConfig, RopeScaling
 from pddjax.model.weights import Weights
 
 
@@ -20,13 +22,32 @@ def rms_norm(x, scale, eps: float):
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, positions, base: float):
+def rope_inv_freq(d: int, base: float, scaling: RopeScaling | None = None):
+    """[D/2] float32 inverse frequencies, with HF's `rope_scaling` applied (llama3, linear)."""
+    inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, the band between interpolated
+    factor, old_ctx = scaling.factor, scaling.original_max_context
+    low_wavelen = old_ctx / scaling.low_freq_factor
+    high_wavelen = old_ctx / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x, positions, base: float, scaling: RopeScaling | None = None):
     """Rotary embedding, HF "rotate_half" convention (GGUF's Q/K permutation is undone at load).
 
     x: [T, N, D], positions: [T] int32 -> [T, N, D]
     """
     d = x.shape[-1]
-    inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    inv_freq = rope_inv_freq(d, base, scaling)  # [D/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]  # [T, 1, D]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
@@ -37,12 +58,20 @@ def rope(x, positions, base: float):
 
 
 def qkv(layer, h, positions, cfg: ModelConfig):
-    """Pre-norm attention inputs. h: [T, E] -> q [T, H, D], k [T, K, D], v [T, K, D]."""
+    """Pre-norm attention inputs. h: [T, E] -> q [T, H, D], k [T, K, D], v [T, K, D].
+
+    Qwen2 adds q/k/v biases (`cfg.qkv_bias`); Qwen3 RMS-normalizes each head of q and k over D
+    (`cfg.qk_norm`) before RoPE."""
     x = rms_norm(h, layer.attn_norm, cfg.rms_eps)
     q = jnp.einsum("te,ehd->thd", x, layer.wq)
     k = jnp.einsum("te,ekd->tkd", x, layer.wk)
     v = jnp.einsum("te,ekd->tkd", x, layer.wv)
-    return rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base), v
+    if cfg.qkv_bias:
+        q, k, v = q + layer.bq, k + layer.bk, v + layer.bv  # biases: [H, D], [K, D], [K, D]
+    if cfg.qk_norm:
+        q, k = rms_norm(q, layer.q_norm, cfg.rms_eps), rms_norm(k, layer.k_norm, cfg.rms_eps)
+    base, scaling = cfg.rope_base, cfg.rope_scaling
+    return rope(q, positions, base, scaling), rope(k, positions, base, scaling), v
 
 
 def attn_out(layer, h, attn):

@@ -1,15 +1,21 @@
-"""Tokenizer built from the GGUF's own metadata with the `tokenizers` library.
+"""Tokenizers over the `tokenizers` library: the shared `TextTokenizer` and the GGUF one.
 
-Vocabulary, merges, token types and special tokens come from `tokenizer.ggml.*`; the
-pre-tokenizer follows `tokenizer.ggml.pre` the way llama.cpp does (e.g. `smollm` splits digits
-one by one before GPT-2 byte-level splitting). The chat template is the GGUF's Jinja template.
+`TextTokenizer` wraps a `tokenizers.Tokenizer` with its BOS/EOS, chat template (rendered in
+jinja2's sandbox) and `encode_chat`, which keeps special-token text typed inside messages plain
+(`chat_template.py`). `GGUFTokenizer` builds one from a GGUF's own metadata: vocabulary, merges,
+token types and special tokens from `tokenizer.ggml.*`, the pre-tokenizer following
+`tokenizer.ggml.pre` the way llama.cpp does (e.g. `smollm` splits digits one by one before GPT-2
+byte-level splitting, `qwen2` uses Qwen2's regex). A checkpoint directory's tokenizer.json:
+`hf_tokenizer.py`.
 """
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+import json
 
-from pddjax.model import gguf_meta
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from pddjax.model import chat_template, gguf_meta
 
 # GGUF token types (gguf.TokenType)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -18,15 +24,98 @@ _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "
 _LLAMA3_PRE = {"llama-bpe", "llama3", "smaug-bpe"}
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_PRE = {"qwen2"}
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-class GGUFTokenizer:
-    def __init__(self, tok: Tokenizer, *, bos_id, eos_id, add_bos: bool, chat_template: str | None, id_to_token):
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` with its special ids and chat template.
+
+    post_process: `encode` applies tokenizer.json's post-processor (HF's add_special_tokens=True,
+    e.g. Llama 3's BOS); otherwise a BOS is prepended only when `add_bos`."""
+
+    def __init__(self, tok: Tokenizer, *, bos_id, eos_id, add_bos: bool, chat_template: str | None,
+                 post_process: bool = False, template_vars: dict[str, str] | None = None):
         self.tok = tok
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = add_bos
         self.chat_template = chat_template
+        self.post_process = post_process
+        self._template_vars = template_vars
+        self._plain = None  # the same tokenizer with special-token matching off (built on first use)
+        self.special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of raw `text` (special-token text in it IS special: the caller wrote it all)."""
+        ids = self.tok.encode(text, add_special_tokens=self.post_process).ids
+        if self.add_bos and self.bos_id is not None and not self.post_process:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tok.id_to_token(token_id)
+
+    def template_vars(self) -> dict[str, str]:
+        if self._template_vars is not None:
+            return self._template_vars
+        text = lambda i: self.token_text(i) if i is not None else ""  # noqa: E731
+        return {"bos_token": text(self.bos_id), "eos_token": text(self.eos_id)}
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render `messages` ([{"role", "content"}]) with the chat template, in jinja2's sandbox."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        return chat_template.render(self.chat_template, messages, add_generation_prompt, self.template_vars())
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat; special-token text inside the messages stays plain text."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        ids = chat_template.encode_chat(self.chat_template, messages, add_generation_prompt, self.template_vars(),
+                                        self.special_ids, self._encode_plain)
+        if self.add_bos and self.bos_id is not None and not self.post_process and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def _encode_plain(self, text: str, first: bool) -> list[int]:
+        if self._plain is None:
+            self._plain = (_plain_copy(self.tok.to_str(), first=True), _plain_copy(self.tok.to_str(), first=False))
+        return self._plain[0 if first else 1].encode(text, add_special_tokens=False).ids
+
+
+def _plain_copy(spec: str, first: bool) -> Tokenizer:
+    """The tokenizer of JSON `spec` with special-token matching off; unless `first`, a Metaspace
+    prepend_scheme "first" becomes "never" (it applies only where the whole input starts)."""
+    d = json.loads(spec)
+
+    def visit(node):
+        if isinstance(node, dict):
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first" and not first:
+                node["prepend_scheme"] = "never"
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, list):
+            for v in node:
+                visit(v)
+
+    visit(d.get("pre_tokenizer"))
+    tok = Tokenizer.from_str(json.dumps(d))
+    tok.encode_special_tokens = True
+    return tok
+
+
+class GGUFTokenizer(TextTokenizer):
+    def __init__(self, tok: Tokenizer, *, bos_id, eos_id, add_bos: bool, chat_template: str | None, id_to_token):
+        super().__init__(tok, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, chat_template=chat_template)
         self._id_to_token = id_to_token
 
     @classmethod
@@ -44,6 +133,11 @@ class GGUFTokenizer:
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if pre in _DIGIT_SPLIT_PRE:
             tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        elif pre in _QWEN2_PRE:
+            tok.normalizer = normalizers.NFC()
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         elif pre in _LLAMA3_PRE:
             tok.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
@@ -78,29 +172,5 @@ class GGUFTokenizer:
     def vocab_size(self) -> int:
         return len(self._id_to_token)
 
-    def encode(self, text: str) -> list[int]:
-        """Token IDs of `text`; a BOS is prepended only if the GGUF says `add_bos_token`."""
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_id is not None:
-            ids = [self.bos_id] + ids
-        return ids
-
-    def decode(self, ids, skip_special: bool = False) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
-
     def token_text(self, token_id: int) -> str:
         return self._id_to_token[token_id]
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role", "content"}]) with the GGUF's Jinja chat template."""
-        if not self.chat_template:
-            raise ValueError("this GGUF has no chat template")
-        import jinja2
-
-        env = jinja2.Environment(trim_blocks=False, lstrip_blocks=False, keep_trailing_newline=True)
-        template = env.from_string(self.chat_template)
-        tokens = self._id_to_token
-        return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=tokens[self.bos_id] if self.bos_id is not None else "",
-            eos_token=tokens[self.eos_id] if self.eos_id is not None else "")

@@ -2,7 +2,9 @@
 
 Every weight declares its logical axes once (`LOGICAL_AXES`); shardings derive from them
 (`partition_specs`). Layers are stacked so the forward pass `lax.scan`s over them and
-compile time does not grow with depth.
+compile time does not grow with depth. The architecture-specific weights (Qwen2's q/k/v biases,
+Qwen3's per-head q/k norms) are None when the model has none: None is an empty pytree node, so
+they cost nothing and the tree's structure tells jit which variant it traces.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ class LayerWeights:
     w_gate: jax.Array  # [L, E, F]
     w_up: jax.Array  # [L, E, F]
     w_down: jax.Array  # [L, F, E]
+    bq: jax.Array | None = None  # [L, H, D] q bias (ModelConfig.qkv_bias)
+    bk: jax.Array | None = None  # [L, K, D]
+    bv: jax.Array | None = None  # [L, K, D]
+    q_norm: jax.Array | None = None  # [L, D] per-head RMSNorm scale of q (ModelConfig.qk_norm)
+    k_norm: jax.Array | None = None  # [L, D]
+
+
+OPTIONAL_LAYER_WEIGHTS = ("bq", "bk", "bv", "q_norm", "k_norm")
 
 
 @flax.struct.dataclass
@@ -50,6 +60,11 @@ LOGICAL_AXES = {
     "w_gate": ("layer", "embed", "ffn"),
     "w_up": ("layer", "embed", "ffn"),
     "w_down": ("layer", "ffn", "embed"),
+    "bq": ("layer", "q_heads", "head_dim"),
+    "bk": ("layer", "kv_heads", "head_dim"),
+    "bv": ("layer", "kv_heads", "head_dim"),
+    "q_norm": ("layer", "head_dim"),
+    "k_norm": ("layer", "head_dim"),
 }
 
 # Tensor-parallel rules: heads and ffn split over the "model" mesh axis.
@@ -62,17 +77,19 @@ def to_dict(w: Weights) -> dict[str, np.ndarray]:
     if w.lm_head is not None:
         out["lm_head"] = w.lm_head
     for name in LayerWeights.__dataclass_fields__:
-        out[name] = getattr(w.layers, name)
+        if getattr(w.layers, name) is not None:
+            out[name] = getattr(w.layers, name)
     return out
 
 
 def from_dict(d: dict) -> Weights:
-    layers = LayerWeights(**{name: d[name] for name in LayerWeights.__dataclass_fields__})
+    layers = LayerWeights(**{name: d[name] for name in LayerWeights.__dataclass_fields__
+                             if name not in OPTIONAL_LAYER_WEIGHTS or name in d})
     return Weights(embed=d["embed"], final_norm=d["final_norm"], lm_head=d.get("lm_head"), layers=layers)
 
 
 def cast(w: Weights, dtype) -> Weights:
-    """Matrices to `dtype`; norms stay float32 (they are tiny and precision-sensitive)."""
+    """Matrices and biases to `dtype`; norms (q/k norms too) stay float32 (tiny and precision-sensitive)."""
     d = to_dict(w)
     out = {k: jnp.asarray(v, jnp.float32 if k.endswith("norm") else dtype) for k, v in d.items()}
     return from_dict(out)
@@ -108,6 +125,12 @@ def init_random(cfg: ModelConfig, seed: int = 0) -> Weights:
     )
     embed = rng.standard_normal((V, E)).astype(np.float32)
     lm_head = None if cfg.tie_embeddings else normal(E, V, fan_in=E)
+    if cfg.qkv_bias:  # drawn after the rest, so a model without them keeps its weights
+        layers = layers.replace(bq=normal(L, H, D, fan_in=4), bk=normal(L, K, D, fan_in=4),
+                                bv=normal(L, K, D, fan_in=4))
+    if cfg.qk_norm:
+        layers = layers.replace(q_norm=(1.0 + 0.1 * rng.standard_normal((L, D))).astype(np.float32),
+                                k_norm=(1.0 + 0.1 * rng.standard_normal((L, D))).astype(np.float32))
     return Weights(embed=embed, final_norm=np.ones((E,), np.float32), lm_head=lm_head, layers=layers)
 
 

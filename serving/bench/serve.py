@@ -7,6 +7,9 @@ decoders the rest (`cluster_cpus`), `--no-pin` to share them):
   pd-cross     every request P-MD, same DRC: the difference to pdd is RLD's latency masking
   pd-local     every request P-RLD: the same-datacenter floor (no WAN on the token path)
   pdd-drc-off  pdd with MD's prefix cache (DRC) off: the WAN bytes DRC saves
+  pdd-int8     pdd with int8 KV on the WAN (`[wan] kv_wire`; any `pdd-FMT`, FMT a pddjax.kv.codec
+               format, e.g. pdd-bf16, pdd-fp8+zstd): the bytes, RLD share and TTFT a compact
+               KV wire format buys; lossy, so outside the output-identity check (`outputs.lossy`)
 A run: build the trace (generated from a seed, or `--trace FILE`, format in
 `pddjax.workload.trace`), then per mode start the stack, warm it up (compiles, unmeasured),
 replay the trace (`bench_replay`: the history turns unmeasured on an unshaped line so the
@@ -36,13 +39,13 @@ import time
 
 from pddjax.errors import UserError
 from serving.bench import compiles
-from serving.bench.figures import identity_check, markdown, mode_figures, targets
+from serving.bench.figures import identity_check, kv_wire_of, markdown, mode_figures, targets, wire_mode_format
 from serving.bench.replay import Record, replay, warmup
 from serving.bench.stack import BenchStack, cluster_cpus
 
 __all__ = ["MODES", "BenchStack", "Record", "cluster_cpus", "register", "run"]
 
-MODES = {"pdd": "auto", "pd-cross": "pd-cross", "pd-local": "pd-local", "pdd-drc-off": "auto"}
+MODES = {"pdd": "auto", "pd-cross": "pd-cross", "pd-local": "pd-local", "pdd-drc-off": "auto", "pdd-int8": "auto"}
 # Default emulated WAN: see WORKSPACE_NOTES.md "WAN scaling". SmolLM2-135M f32 KV is 46,080 B/token:
 # a cold 1K prompt (~47 MB) takes ~19 s at 20 Mb/s, a 95%-hit turn (~50 new tokens, ~2.3 MB) ~0.9 s.
 WAN_DEFAULTS = {"mbps": 20.0, "latency_ms": 20.0, "jitter_ms": 5.0, "jitter_dist": "normal"}
@@ -58,7 +61,8 @@ def register(bsub) -> None:
     p.add_argument("--plots", help="write PNG plots to this folder (needs matplotlib: the `plots` extra)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--config", help="base stack config (TOML/JSON); the benchmark sets model, [wan], DRC")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma list of {', '.join(MODES)} (or pdd-FMT: pdd with KV wire format FMT on the WAN)")
     p.add_argument("--seed", type=int, default=0, help="trace seed (generated traces)")
     p.add_argument("--duration", type=float, help="seconds of session arrivals (generated traces)")
     p.add_argument("--handoff", choices=["auto", "one-shot", "chunked"], help="handoff mode (default: the router's)")
@@ -71,6 +75,12 @@ def register(bsub) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up requests")
     p.add_argument("--no-pin", action="store_true",
                    help="do not pin services to cores (default: P on its own cores, RLD and MD on the rest)")
+    o = p.add_argument_group("any OpenAI-compatible server (serving/bench/openai_driver.py)")
+    o.add_argument("--openai-url", metavar="URL",
+                   help="replay the trace against this OpenAI-compatible base URL (e.g. pddjax up's `openai`, "
+                        "http://HOST:PORT/v1) instead of starting stacks; --model names its vocabulary")
+    o.add_argument("--openai-model", help="the `model` field sent (default: the first of GET /v1/models)")
+    o.add_argument("--openai-key", help="the API key (pddjax: the router's bearer token)")
     p.set_defaults(func=run)
 
 
@@ -118,7 +128,12 @@ def _model_config(name: str):
         raise UserError(str(e)) from None
 
 
-def stack_config(args, model_config, drc: bool) -> dict:
+def mode_pipeline(mode: str) -> str | None:
+    """The router pipeline a mode asks for (`pdd-FMT`: auto); None for an unknown mode."""
+    return MODES.get(mode) or ("auto" if wire_mode_format(mode) else None)
+
+
+def stack_config(args, model_config, drc: bool, kv_wire: str = "native") -> dict:
     from serving.config import read_file
 
     base = read_file(args.config) if args.config else {}
@@ -131,9 +146,11 @@ def stack_config(args, model_config, drc: bool) -> dict:
             "main": {**base.get("main", {}), "prefix_cache": drc},
             # the operator's prior for the line = its provisioned rate (then measured transfers)
             "router": {"wan_mbps_prior": args.wan_mbps, "wan_latency_ms_prior": args.wan_latency_ms,
-                       **base.get("router", {}), **({"handoff": args.handoff} if args.handoff else {})},
+                       **{k: v for k, v in base.get("router", {}).items() if k != "kv_wire"},  # the mode's: [wan]
+                       **({"handoff": args.handoff} if args.handoff else {})},
             "wan": {**base.get("wan", {}), "mbps": args.wan_mbps, "latency_ms": args.wan_latency_ms,
-                    "jitter_ms": args.wan_jitter_ms, "jitter_dist": args.wan_jitter_dist}}
+                    "jitter_ms": args.wan_jitter_ms, "jitter_dist": args.wan_jitter_dist,
+                    "kv_wire": kv_wire}}  # the mode's P -> MD format (as `pddjax up --kv-wire`)
 
 
 def _req_handoff(handoff: str | None) -> str | None:
@@ -145,7 +162,7 @@ def run(args) -> int:
     from pddjax.workload import TokenBuilder, config_dict, generate, read_trace, summarize, write_trace
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if mode_pipeline(m) is None]
     if bad or not modes:
         raise UserError(f"unknown mode {bad[0] if bad else '(none)'}: use {', '.join(MODES)}")
     if args.plots:
@@ -173,6 +190,10 @@ def run(args) -> int:
     print(f"trace: {summary['requests']} requests, {summary['sessions']} sessions, mean hit {summary['mean_hit']:.2f}, "
           f"{summary['share_hit_above_95']:.0%} above 95%, mean prompt {summary['mean_prompt_tokens']:.0f}, "
           f"mean output {summary['mean_output_tokens']:.0f}", file=sys.stderr)
+    if args.openai_url:
+        from serving.bench import openai_driver
+
+        return openai_driver.run(args, trace, trace_seed, mcfg.vocab_size, summary)
     prompt_len = int(summary["mean_prompt_tokens"])
     history_turns = sum(r.arrival_s < 0 for r in trace)
     t_start = time.monotonic()
@@ -196,13 +217,13 @@ def run(args) -> int:
                                    "cached_on_main": r.cached_on_main, "prompt_tokens": r.prompt_tokens,
                                    "relay_tokens": r.relay_tokens, "main_tokens": r.main_tokens, "explain": r.explain,
                                    "send_s": round(r.send_s, 3), "prefill_ms": round(r.prefill_ms, 1),
-                                   "error": r.error}
+                                   "kv_bytes_to_main": r.kv_bytes_to_main, "error": r.error}
                                   for r in recs] for m, recs in per_mode.items()}
         return result
 
     for mode in modes:
         workdir = tempfile.mkdtemp(prefix=f"pddjax-bench-{mode}-")
-        stack_cfg = stack_config(args, mcfg, drc=(mode != "pdd-drc-off"))
+        stack_cfg = stack_config(args, mcfg, drc=(mode != "pdd-drc-off"), kv_wire=kv_wire_of(mode))
         t0 = time.monotonic()
         print(f"{mode}: starting the stack", file=sys.stderr, flush=True)
         stack = BenchStack(stack_cfg, workdir, pin=not args.no_pin)
@@ -224,14 +245,14 @@ def run(args) -> int:
         try:
             link.mbps, link.latency_ms = 0.0, 0.0  # warm-up and history on an unshaped line
             if not args.no_warmup:
-                pipes = ["pdd"] if MODES[mode] == "auto" else [MODES[mode]]  # pdd exercises P, RLD, MD
+                pipes = ["pdd"] if mode_pipeline(mode) == "auto" else [mode_pipeline(mode)]  # pdd: P, RLD, MD
                 # the first stack compiles (3 sessions: decode batch buckets 1, 2 and 4); later
                 # ones find the executables in the persistent cache
                 warmup(stack.router, pipes, mcfg.vocab_size, prompt_len, _req_handoff(args.handoff),
                        sessions=3 if mode == modes[0] else 2)
             builder = TokenBuilder(trace_seed, mcfg.vocab_size)
             t_hist = time.monotonic()
-            records, wall, history, history_wall = replay(stack.router, trace, MODES[mode], builder,
+            records, wall, history, history_wall = replay(stack.router, trace, mode_pipeline(mode), builder,
                                                           _req_handoff(args.handoff), mode,
                                                           before_measure=measure_from_here)
             after = link.stats()
@@ -245,7 +266,7 @@ def run(args) -> int:
         per_mode[mode] = records
         before = counters["before"]
         figures[mode] = mode_figures(records, wall, after["bytes_a_to_b"] - before["bytes_a_to_b"],
-                                     after["bytes_b_to_a"] - before["bytes_b_to_a"])
+                                     after["bytes_b_to_a"] - before["bytes_b_to_a"], kv_wire=kv_wire_of(mode))
         figures[mode]["stack_s"] = round(t_hist - t0, 1)  # start + warm-up
         figures[mode]["history_s"] = round(history_wall, 1)  # the history turns themselves
         figures[mode]["restart_s"] = round(time.monotonic() - t_hist - wall - history_wall, 1)  # router restart

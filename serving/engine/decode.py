@@ -19,7 +19,9 @@ A request's life here:
                A cancel leaves a tombstone: a Reserve arriving late for that id is ABORTED.
   Info, MatchPrefix  as on every engine service (info.py).
 Leases: a reservation with no open Decode stream and no traffic (PushKV, Handoff*) for
-LEASE_SECONDS is dropped (an aborted transfer or a vanished router never leaks a slot).
+LEASE_SECONDS is dropped (an aborted transfer or a vanished router never leaks a slot); one
+still waiting for its KV with no KV traffic for KV_WAIT_SECONDS is dropped even with its
+stream open (DEADLINE_EXCEEDED on that stream).
 
 Sequences are held on finish (hold_on_finish) so MD's tokens sampled ahead of a chunked
 handoff are kept until the final chunk confirms them; tokens that disagree with RLD's (a
@@ -40,10 +42,12 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pddjax.kv.allocator import OutOfPages
+from pddjax.kv.page_table import pages_needed
 from serving import rpc
 from serving.engine.handoff import Handoff
 from serving.engine.info import match_prefix, service_info
 from serving.engine.kv_receiver import KVReceiver
+from serving.engine.page_queue import PageQueue, QueueFull
 from serving.engine.probe import probe
 from serving.engine.slot import RpcFailure, Slot, SlotTable
 from serving.engine.worker import EngineWorker, resolve
@@ -54,6 +58,9 @@ if TYPE_CHECKING:
     from pddjax.model.config import ModelConfig
 
 LEASE_SECONDS = float(os.environ.get("PDDJAX_LEASE_SECONDS", "60"))
+# A reserved request whose KV does not arrive (no chunk, no handoff) for this long is dropped,
+# even with its Decode stream open (P or the router gone midway must not pin pages forever).
+KV_WAIT_SECONDS = float(os.environ.get("PDDJAX_KV_WAIT_SECONDS", "120"))
 LINGER_LEASES = 3  # a slot alive this many leases is logged once with its state
 
 
@@ -67,11 +74,13 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         self.slots: SlotTable | None = None
         self.kv: KVReceiver | None = None
         self.handoff: Handoff | None = None
+        self.pages: PageQueue | None = None
         self._lease_task: asyncio.Task | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.worker = EngineWorker(self.engine, loop, self._on_step, name=f"engine-{self.role}")
         self.slots = SlotTable(self.engine, self.worker)
+        self.pages = PageQueue(self.worker, self.role)  # Reserves waiting for pages (wait_for_pages)
         self.kv = KVReceiver(self.role, self.engine.fingerprint, self.worker, self.slots, self.cfg.vocab_size)
         self.handoff = Handoff(self.role, self.worker, self.slots, self.cfg.vocab_size)
         self.worker.faults.on_fault = self._step_failed
@@ -79,13 +88,20 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     async def _expire_leases(self) -> None:
         while True:
-            await asyncio.sleep(min(5.0, LEASE_SECONDS / 4))
+            await asyncio.sleep(min(5.0, LEASE_SECONDS / 4, KV_WAIT_SECONDS / 4))
             now = time.monotonic()
             for slot in self.slots:
-                if not slot.closed and slot.streams == 0 and now - slot.touched > LEASE_SECONDS:
+                idle = now - slot.touched
+                if not slot.closed and slot.streams == 0 and idle > LEASE_SECONDS:
                     failure = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
                                          f"the reservation of {slot.request_id} on {self.role} expired "
                                          f"after {LEASE_SECONDS:.0f} s without traffic")
+                    await self.worker.call(lambda e, s=slot, f=failure: self.slots.close(s, f, cache=False))
+                elif not slot.closed and not slot.decoding.is_set() and idle > KV_WAIT_SECONDS:
+                    # an open stream keeps a reservation, but not one whose KV never comes
+                    failure = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         f"no KV for {slot.request_id} reached {self.role} within "
+                                         f"{KV_WAIT_SECONDS:.0f} s; its reservation is dropped")
                     await self.worker.call(lambda e, s=slot, f=failure: self.slots.close(s, f, cache=False))
                 elif not slot.closed and not slot.reported and now - slot.born > LINGER_LEASES * LEASE_SECONDS:
                     slot.reported = True  # legitimate for a long generation; a leak shows up here first
@@ -104,6 +120,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
                 self.slots.close(slot, batch)
             else:
                 self.slots.put(slot, batch)
+        self.pages.on_engine(self.engine)
         for slot in self.slots:
             if slot.waiters:
                 seq = self.engine.seqs.get(slot.request_id)
@@ -128,6 +145,9 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         err = rpc.validate_spec(self.cfg, rid, prompt, params, max_tokens)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        never = self.engine.never_fits(len(prompt), max_tokens)  # before it could queue for pages
+        if never:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, never)
         if rid in self.slots:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already reserved here")
         if self.slots.was_cancelled(rid):
@@ -142,16 +162,25 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
             self.slots.add(slot)
             return seq.pages.num_cached
 
+        queued = 0.0
         try:
-            cached = await self.worker.call(reserve)
+            if request.wait_for_pages:  # a full pool: wait in the FIFO for pages (page_queue.py)
+                need = pages_needed(len(prompt) + max_tokens, self.engine.config.page_size)
+                cached, queued = await self.pages.admit(reserve, need, rpc.time_left(context))
+            else:
+                cached = await self.worker.call(reserve)
             if cached is None:
                 await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled on {self.role}")
         except OutOfPages:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the {self.role} pool cannot hold {len(prompt)} + {max_tokens} tokens now")
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except TimeoutError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return cluster_pb2.ReserveResponse(cached_tokens=cached)
+        return cluster_pb2.ReserveResponse(cached_tokens=cached, queued_ms=1e3 * queued)
 
     async def PushKV(self, request_iterator, context):
         return await self.kv.push(request_iterator, context)
@@ -163,8 +192,9 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
                                 f"request {request.request_id} is not reserved on {self.role}")
         slot.streams += 1
         try:
+            held = None  # an item taken while merging that belongs to the next message
             while True:
-                item = await slot.out.get()
+                item, held = _merge_ready(held if held is not None else await slot.out.get(), slot.out)
                 if isinstance(item, RpcFailure):
                     await context.abort(item.code, item.message)
                 yield item
@@ -195,7 +225,12 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
                 return True
             return False
 
-        return cluster_pb2.ReleaseResponse(found=await self.worker.call(release))
+        def release_and_wake(e):
+            found = release(e)
+            self.pages.on_engine(e)  # pages freed: the first request waiting for pages tries
+            return found
+
+        return cluster_pb2.ReleaseResponse(found=await self.worker.call(release_and_wake))
 
     async def Info(self, request, context):
         return await service_info(self.worker, self.info)
@@ -215,3 +250,21 @@ def _describe(e, slot: Slot) -> str:
         f"pending={seq.num_pending} finish={seq.finish_reason}")
     return (f"streams={slot.streams} emit_from={slot.emit_from} decoding={slot.decoding.is_set()} "
             f"idle {time.monotonic() - slot.touched:.0f} s; {state}")
+
+
+def _merge_ready(item, out: asyncio.Queue):
+    """One stream message for every token that is ready: TokenBatches queued behind `item` (a
+    writer slower than the engine) join it while they continue it -> (message, the item that
+    ended the merge or None). A failure, a finish or a handoff is never merged into."""
+    if not isinstance(item, cluster_pb2.TokenBatch) or item.finish_reason or item.handed_off:
+        return item, None
+    while not out.empty():
+        nxt = out.get_nowait()
+        if (not isinstance(nxt, cluster_pb2.TokenBatch) or nxt.handed_off
+                or nxt.start_position != item.start_position + len(item.token_ids)):
+            return item, nxt
+        item.token_ids.extend(nxt.token_ids)
+        if nxt.finish_reason:
+            item.finish_reason = nxt.finish_reason
+            break
+    return item, None

@@ -47,6 +47,8 @@ FINAL_BUDGET_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_FINAL_SECONDS", "2.0
 # Chunks before the final one: each is acknowledged once MD caught up, and the tail shrinks while
 # MD keeps pace; an MD slower than RLD would chase forever, so the final goes after this many.
 MAX_CATCH_UP_CHUNKS = 8
+# How long a Handoff waits for RLD to start decoding (its KV to land) at most.
+DECODING_WAIT_SECONDS = float(os.environ.get("PDDJAX_DECODING_WAIT_SECONDS", "120"))
 HANDOFF_RETRY_WAITS = (0.2, 0.5, 1.0)  # before each retry of the same chunk (MD applies it once)
 HANDOFFS_REMEMBERED = 10000  # MD: applied handoff chunks (a retry is answered, never applied twice)
 
@@ -76,8 +78,15 @@ class Handoff:
         slot = self.slots.get(rid)
         if slot is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
-        # MD may hold its KV before RLD does (a large DRC hit): hand off only once RLD decodes
-        await slot.decoding.wait()
+        # MD may hold its KV before RLD does (a large DRC hit): hand off only once RLD decodes,
+        # waiting no longer than the caller's deadline or DECODING_WAIT_SECONDS
+        remaining = rpc.time_left(context)
+        wait = DECODING_WAIT_SECONDS if remaining is None else min(remaining, DECODING_WAIT_SECONDS)
+        try:
+            await asyncio.wait_for(slot.decoding.wait(), wait)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{rid} did not start decoding on {self.role} "
+                                                                   f"within {wait:.0f} s (its KV has not arrived)")
         ch = self.channels.get(request.main_address) or rpc.channel(request.main_address, rpc.PEER_CHANNEL_OPTIONS)
         self.channels[request.main_address] = ch
         main = cluster_pb2_grpc.DecodeStub(ch)

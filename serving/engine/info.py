@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from serving.pb import cluster_pb2
+from serving.kvwire import ACCEPTED
+from serving.pb import cluster_pb2, common_pb2
 
 if TYPE_CHECKING:
     from serving.engine.worker import EngineWorker
@@ -27,8 +28,12 @@ def engine_info(e) -> tuple[int, int, str]:
 
 
 async def service_info(worker: EngineWorker, fields: dict) -> cluster_pb2.ServiceInfo:
-    """Info: the static `fields` (role, model, page size...) and the engine's occupancy now."""
+    """Info: the static `fields` (role, model, page size...) and the engine's occupancy now.
+    RLD and MD declare the KV wire formats their PushKV decodes (all of this build's, unless
+    `fields` names fewer: then the service's KVReceiver must be given the same)."""
     pages, n, err = await worker.call(engine_info)
+    if fields.get("role") != common_pb2.ROLE_PREFILL and "kv_wire_formats" not in fields:
+        fields = {**fields, "kv_wire_formats": ACCEPTED}
     return cluster_pb2.ServiceInfo(**fields, pages_active=pages, requests=n, integrity_error=err)
 
 

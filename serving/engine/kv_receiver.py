@@ -4,6 +4,9 @@ Chunks land in the pool as they arrive (P streams them while still prefilling); 
 coalesced. On the last chunk the known tokens (P's first token) are appended and decoding
 starts (RLD; MD in pd-cross); with none, the sequence stays paused for RLD's handoff (MD in pdd).
 A chunk for a request that is not reserved here is NOT_FOUND, or ABORTED after a cancel.
+KV in a compact wire format (bf16, int8, fp8, +zstd: the header's `kv_wire`) is decoded into
+this engine's pool dtype as it arrives (kvwire.Assembler); a format this receiver did not
+declare in its Info (`accepts`, ServiceInfo.kv_wire_formats) is INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pddjax.kv.canonical import KVImportError
-from serving.kvwire import Assembler, WireError
+from serving.kvwire import ACCEPTED, Assembler, WireError
 from serving.pb import cluster_pb2
 
 if TYPE_CHECKING:
@@ -26,17 +29,19 @@ class KVReceiver:
     """PushKV of one Decode service: writes the KV of the requests reserved in `slots` into the
     engine's pool through `worker`. `fingerprint` is the model's (a chunk of another model's KV
     is refused), `vocab_size` the model's (known tokens past it are refused); `role` names this
-    service in error messages."""
+    service in error messages; `accepts` the KV wire formats it decodes (declared in its Info)."""
 
-    def __init__(self, role: str, fingerprint: str, worker: EngineWorker, slots: SlotTable, vocab_size: int):
+    def __init__(self, role: str, fingerprint: str, worker: EngineWorker, slots: SlotTable, vocab_size: int,
+                 accepts: tuple[str, ...] = ACCEPTED):
         self.role, self.fingerprint, self.worker, self.slots = role, fingerprint, worker, slots
-        self.vocab_size = vocab_size
+        self.vocab_size, self.accepts = vocab_size, tuple(accepts)
+        self.dtype = worker.engine.config.dtype  # lossy formats decode straight into the pool's dtype
 
     async def push(self, request_iterator, context) -> cluster_pb2.PushKVResponse:
         """Chunks are read as they come; imports are coalesced: while one import waits for the
         engine thread (a step in flight), the chunks that arrive meanwhile are imported together
         by the next call, so a long push costs a few engine calls, not one per chunk."""
-        asm, rid, imported = Assembler(self.fingerprint), None, 0
+        asm, rid, imported = Assembler(self.fingerprint, self.accepts, self.dtype), None, 0
         batch: list = []  # KV runs assembled, not yet handed to the engine thread
         pending = None  # the import in flight (a task)
 

@@ -7,6 +7,9 @@ target at once (dual path: all of it to RLD, only MD's missing suffix to MD), so
 overlaps the (chunked) prefill; the step that samples the first token exports the rest, the
 first token rides on the last chunk, and P's prefix cache gets the prompt at once. The
 response stream reports `prefilled` and one `transfer_done` per target (with its error code).
+Each target's KV is encoded in the wire format the router chose for it (`KVTarget.kv_wire`:
+native, bf16, int8, fp8, +zstd; pddjax.kv.codec) as its chunks are cut, off the event loop;
+`transfer_done.bytes` counts the encoded bytes, `native_bytes` the canonical ones.
 
 KV lease: P holds a finished prefill's pages for its targets until each acknowledges the
 import (its PushKV answers after the last chunk landed) or fails, or KV_LEASE_SECONDS
@@ -25,9 +28,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pddjax.kv.allocator import OutOfPages
-from serving import kvwire, rpc
+from pddjax.kv.page_table import pages_needed
+from serving import authz, kvwire, rpc
 from serving.engine.info import match_prefix, service_info
+from serving.engine.page_queue import PageQueue, QueueFull
 from serving.engine.worker import EngineWorker, fail, resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc
 
@@ -37,7 +41,9 @@ if TYPE_CHECKING:
 
 
 class PrefillService(cluster_pb2_grpc.PrefillServicer):
-    """`info` holds the static ServiceInfo fields."""
+    """`info` holds the static ServiceInfo fields; `kv_peers` where it may push KV (authz.KVPeers)."""
+
+    kv_peers = authz.KVPeers()  # loopback only, unless the config lists peers (serve sets it)
 
     def __init__(self, engine: PagedEngine, model_config: ModelConfig, info: dict):
         self.engine, self.cfg, self.info = engine, model_config, info
@@ -45,9 +51,11 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         self.pushes: dict[str, list[asyncio.Task]] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.worker: EngineWorker | None = None
+        self.pages: PageQueue | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.worker = EngineWorker(self.engine, loop, self._on_step, name="engine-prefill")
+        self.pages = PageQueue(self.worker, "prefill")  # prompts waiting for pages
         self.worker.faults.on_fault = self._step_failed
 
     async def Prefill(self, request, context):
@@ -55,6 +63,20 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         err = rpc.validate_spec(self.cfg, rid, prompt, params, max_tokens)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        for t in request.targets:
+            if t.start > len(prompt):  # its TransferDone would count negative tokens (UNKNOWN before)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a KV target starts at token {t.start}, "
+                                                                      f"past the prompt's {len(prompt)}")
+            if (t.kv_wire or "native") not in kvwire.ACCEPTED:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"KV wire format {t.kv_wire!r} for {t.address} is not one of "
+                                    f"{', '.join(kvwire.ACCEPTED)}")
+        not_peer = self.kv_peers.refusal(t.address for t in request.targets)  # P dials no other address
+        if not_peer:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, not_peer)
+        never = self.engine.never_fits(len(prompt), 1)  # before it could queue for pages
+        if never:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, never)
         if rid in self.progress or rid in self.pushes:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already on prefill")
         targets, n = list(request.targets), len(prompt)
@@ -71,12 +93,16 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         chunk_bytes = request.chunk_bytes or rpc.DEFAULT_CHUNK_BYTES
         tasks: list[asyncio.Task] = []
         try:
-            try:
-                cached = await self.worker.call(admit)
-            except OutOfPages:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the prefill pool cannot hold {n} tokens now")
+            try:  # a full pool: the prompt waits in the FIFO for pages (page_queue.py)
+                cached, queued = await self.pages.admit(admit, pages_needed(n + 1, self.engine.config.page_size),
+                                                        rpc.time_left(context))
+            except QueueFull as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except TimeoutError as e:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            t0 = time.perf_counter()  # prefill_ms from admission on (queued_ms before it)
             tasks = [asyncio.create_task(self._push(rid, t, q, max(t.start, start0), n, chunk_bytes))
                      for t, q in zip(targets, st.queues)]
             self.pushes[rid] = tasks
@@ -87,7 +113,8 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
             except _StepFailed as e:
                 await context.abort(grpc.StatusCode.INTERNAL, str(e))
             yield cluster_pb2.PrefillEvent(prefilled=cluster_pb2.Prefilled(
-                first_token=first, num_cached=cached, prefill_ms=1e3 * (time.perf_counter() - t0)))
+                first_token=first, num_cached=cached, prefill_ms=1e3 * (time.perf_counter() - t0),
+                queued_ms=1e3 * queued))
             # P's KV lease: the pages stay held until every target acknowledged its import (its
             # PushKV answered), failed, or KV_LEASE_SECONDS passed since the prefill finished
             loop = asyncio.get_running_loop()
@@ -125,6 +152,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         self.progress.pop(rid, None)
         if rid in e.seqs:
             e.release(rid, cache=False)
+            self.pages.on_engine(e)  # pages freed: the first prompt waiting for pages tries
 
     def _export(self, e, rid, st, first) -> None:
         """Engine thread: send the prompt tokens computed since the last export to every target."""
@@ -137,6 +165,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
             st.sent = upto
 
     def _on_step(self, events) -> None:
+        self.pages.on_engine(self.engine)
         firsts = {ev.seq_id: ev.token for ev in events if ev.position == 0}
         for rid, st in list(self.progress.items()):
             if rid not in self.engine.seqs:
@@ -155,7 +184,8 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         ch = self.channels.get(target.address) or rpc.channel(target.address)
         self.channels[target.address] = ch
         stub = cluster_pb2_grpc.DecodeStub(ch)
-        chunker = kvwire.Chunker(rid, start, end, chunk_bytes)
+        chunker = kvwire.Chunker(rid, start, end, chunk_bytes, target.kv_wire or "native", self.engine.config.page_size)
+        native = chunker.format.name == "native"  # raw copies; the others encode off the event loop
 
         clock = _PushClock()
         waited = [0.0]  # seconds the push waited on P's own prefill (not the link)
@@ -168,7 +198,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
                 waited[0] += time.perf_counter() - w0
                 clock.touch()
                 known = [first] if first is not None and target.include_first_token else []
-                for c in chunker.feed(run, known):
+                for c in chunker.feed(run, known) if native else await asyncio.to_thread(chunker.feed, run, known):
                     yield c
                     clock.touch()  # the transport took the chunk
 
@@ -190,6 +220,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         finally:
             watch.cancel()
         done.bytes, done.chunks, done.ms = chunker.bytes, chunker.seq, 1e3 * (time.perf_counter() - t0)
+        done.native_bytes = chunker.native_bytes
         done.wire_ms = max(0.0, done.ms - 1e3 * waited[0])
         return done
 

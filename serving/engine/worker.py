@@ -37,6 +37,7 @@ class EngineWorker:
         self._q: queue.PriorityQueue = queue.PriorityQueue()  # (priority, arrival, item)
         self._arrival = itertools.count()
         self._stop = False
+        self._posted: list[tuple[Callable, tuple]] = []  # post()s not handed to the loop yet (engine thread)
         self.steps = 0
         self.faults = StepFaults(name)  # a step that raises fails its sequences, never retried
         self.metrics = None  # a ServiceMetrics: engine gauges are set from this thread (<= 4 per s, and when idle)
@@ -62,8 +63,18 @@ class EngineWorker:
         self._q.put((priority, next(self._arrival), item))
 
     def post(self, fn: Callable, *args) -> None:
-        """From the engine thread: run fn(*args) on the event loop."""
-        self.loop.call_soon_threadsafe(fn, *args)
+        """From the engine thread: run fn(*args) on the event loop. Posts are buffered and handed
+        over together after each command and each step (one loop wake-up per step, not one per
+        token of every stream), in order, and before the command's own result."""
+        if threading.current_thread() is self._thread:
+            self._posted.append((fn, args))
+        else:
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def _flush(self) -> None:
+        if self._posted:
+            batch, self._posted = self._posted, []
+            self.loop.call_soon_threadsafe(_run_posted, self.loop, batch)
 
     def stop(self) -> None:
         self._stop = True
@@ -91,11 +102,16 @@ class EngineWorker:
                             fn(self.engine, *args)
                         except Exception:  # noqa: BLE001  (cleanup must not kill the thread)
                             traceback.print_exc()
+                        self._flush()
                     elif cf.set_running_or_notify_cancel():
                         try:
-                            cf.set_result(fn(self.engine, *args))
+                            result = fn(self.engine, *args)
                         except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
+                            self._flush()
                             cf.set_exception(e)
+                        else:
+                            self._flush()  # what fn posted runs before its caller resumes
+                            cf.set_result(result)
                 item = self._next_command(started)
             if self.engine.has_work():
                 try:
@@ -107,6 +123,7 @@ class EngineWorker:
                             self.on_step(events)
                 except Exception as exc:  # noqa: BLE001  (its sequences fail; the engine serves on)
                     self.faults.failed(self.engine, exc)
+                self._flush()  # the step's tokens, to every stream, in one hand-over
             now = time.monotonic()
             if self.metrics is not None and (now - self._snapshot_at >= 0.25 or not self.engine.has_work()):
                 self._snapshot_at = now  # num_pages_active walks every sequence: not on every step
@@ -155,6 +172,15 @@ class EngineWorker:
                 "queue_depth": self._q.qsize(), "compiles": compiles,
                 "compiles_after_ready": compiles - at_ready, "faults": self.faults.total,
                 "executables": resident_count() + compiled_variants()}
+
+
+def _run_posted(loop: asyncio.AbstractEventLoop, batch: list) -> None:
+    """Event loop: the engine thread's posts, in order; one that raises does not skip the rest."""
+    for fn, args in batch:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001
+            loop.call_exception_handler({"message": f"engine post {fn!r} failed", "exception": e})
 
 
 def resolve(fut: asyncio.Future, value) -> None:

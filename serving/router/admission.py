@@ -34,11 +34,13 @@ class Deadline:
         self.at = None if remaining_s is None else time.monotonic() + max(remaining_s, 0.0)
 
     @classmethod
-    def of(cls, context) -> Deadline:
+    def of(cls, context, default_s: float | None = None) -> Deadline:
+        """The client's deadline, else `default_s` from now (the server's bound on every request)."""
         try:
-            return cls(context.time_remaining())
+            remaining = context.time_remaining()
         except Exception:  # noqa: BLE001  (a context without deadlines)
-            return cls(None)
+            remaining = None
+        return cls(default_s if remaining is None else remaining)
 
     def remaining(self) -> float | None:
         return None if self.at is None else max(self.at - time.monotonic(), 0.0)

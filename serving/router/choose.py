@@ -33,15 +33,16 @@ if TYPE_CHECKING:
 
     from serving.config import RouterSettings
     from serving.router.estimates import Estimates
+    from serving.router.metrics import RouterMetrics
 
 _RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)  # try the next instance
 
 
 class Chooser:
     def __init__(self, by_role: dict[str, pools.Pool], settings: RouterSettings, estimates: Estimates,
-                 counters: collections.Counter):
+                 counters: collections.Counter, metrics: RouterMetrics):
         s = settings
-        self.pools, self.estimates, self.counters = by_role, estimates, counters
+        self.pools, self.estimates, self.counters, self.m = by_role, estimates, counters, metrics
         self.policy = PolicyConfig(ttft_budget_s=s.ttft_budget_ms / 1e3, filter_cap=s.filter_cap,
                                    filter_window=s.filter_window, drift_tolerance=s.drift_tolerance,
                                    handoff_threshold=s.handoff_threshold)
@@ -102,7 +103,15 @@ class Chooser:
         except grpc.aio.AioRpcError as e:
             raise from_rpc(e, "prefix match") from None
         r.pipeline, n = asked, len(r.prompt)
-        if asked == common_pb2.PIPELINE_AUTO and r.main_choice is None:
+        try:
+            too_small = await self._too_small(r)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc(e, "info") from None
+        if too_small is not None:  # auto, and one decode tier can never hold this request: the other
+            r.pipeline, r.reason = too_small
+            r.explain = (f"{PIPELINE_NAMES[r.pipeline]} ({r.reason}): prompt {n} + max_tokens {r.max_tokens} "
+                         f"exceed what {'RLD' if r.reason == 'relay-too-small' else 'MD'} can hold per request")
+        elif asked == common_pb2.PIPELINE_AUTO and r.main_choice is None:
             r.pipeline, r.reason = common_pb2.PIPELINE_PD_LOCAL, "no-main"
             r.explain = "pd-local (no-main): no healthy MD instance"
         elif asked == common_pb2.PIPELINE_AUTO:
@@ -111,7 +120,8 @@ class Chooser:
                                          else min(self.probe_wait_s, remaining / 2))
             link = self.estimates.link(r.main_choice)
             i = Inputs(prompt_tokens=n, max_tokens=r.max_tokens, hit_prefill=r.hit_prefill, hit_main=r.hit_main,
-                       kv_bytes_per_token=await pools.kv_bytes_per_token(r.prefill),
+                       kv_bytes_per_token=round(await self.estimates.wire_bytes_per_token(  # as encoded
+                           r.prefill, await self.estimates.wire_format(r.main_choice))),
                        wan_bytes_per_s=link.throughput.value, wan_latency_s=link.latency.value,
                        wan_queue_bytes=link.queued, relay_tokens_per_s=self.estimates.speed(r.relay).value,
                        filtered_share=self.window.share(), session_id=r.session,
@@ -133,15 +143,45 @@ class Chooser:
             self.counters["hit_main_tokens"] += r.hit_main
         relay = r.relay if r.pipeline != common_pb2.PIPELINE_PD_CROSS else None
         main = r.main_choice if r.pipeline != common_pb2.PIPELINE_PD_LOCAL or r.sync_main else None
-        used = [(name, inst) for name, inst in (("P", r.prefill), ("RLD", relay), ("MD", main)) if inst]
-        r.explain += " [" + ", ".join(f"{name} {inst.address}" for name, inst in used) + "]"
+        used = [inst for inst in (r.prefill, relay, main) if inst]
+        r.explain += " [" + ", ".join(inst.name for inst in used) + "]"  # names: no address reaches users
+
+    async def _too_small(self, r: Request) -> tuple[int, str] | None:
+        """Checks the request against the most tokens each chosen tier can ever hold (its whole KV
+        pool): a tier the pipeline needs that is too small -> INVALID_ARGUMENT saying so (never a
+        retryable RESOURCE_EXHAUSTED); `auto` with one decode tier too small -> (the pipeline
+        that avoids it, reason)."""
+        need, asked = len(r.prompt) + r.max_tokens, r.requested
+        if len(r.prompt) + 1 > await pools.max_sequence_tokens(r.prefill):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt ({len(r.prompt)} tokens) can never fit P's "
+                                                          f"KV pool ({await pools.max_sequence_tokens(r.prefill)} "
+                                                          f"tokens per request)")
+        relay_ok = r.relay is None or need <= await pools.max_sequence_tokens(r.relay)
+        main_ok = r.main_choice is None or need <= await pools.max_sequence_tokens(r.main_choice)
+        if asked == common_pb2.PIPELINE_AUTO and relay_ok != main_ok and r.relay and r.main_choice:
+            return (common_pb2.PIPELINE_PD_CROSS, "relay-too-small") if main_ok else \
+                (common_pb2.PIPELINE_PD_LOCAL, "main-too-small")
+        for ok, tier, inst, used in ((relay_ok, "RLD", r.relay, asked != common_pb2.PIPELINE_PD_CROSS),
+                                     (main_ok, "MD", r.main_choice, asked != common_pb2.PIPELINE_PD_LOCAL)):
+            if not ok and used:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"prompt ({len(r.prompt)} tokens) + max_tokens {r.max_tokens} can never fit {tier}'s KV "
+                            f"pool ({await pools.max_sequence_tokens(inst)} tokens per request): ask for fewer tokens")
+        return None
 
     async def reserve(self, r: Request) -> None:
         """Reserve on MD, then RLD; holds the instances used. Raises Abort (UNAVAILABLE: none
         left; the failed Reserve's status otherwise)."""
         async def reserve_on(inst) -> int:
-            return (await pools.stub(inst).Reserve(cluster_pb2.ReserveRequest(spec=r.spec, use_cache=True),
-                                                   timeout=r.deadline.timeout())).cached_tokens
+            # a full pool: RLD's queues the request (FIFO, up to its deadline); MD's too, but for
+            # `auto`, which serves it pd-local at once instead (main-full)
+            wait = inst.role == "relay" or r.requested != common_pb2.PIPELINE_AUTO
+            res = await pools.stub(inst).Reserve(cluster_pb2.ReserveRequest(spec=r.spec, use_cache=True,
+                                                                            wait_for_pages=wait),
+                                                 timeout=r.deadline.timeout())
+            r.queued_ms += res.queued_ms
+            self.m.page_wait(inst.role, res.queued_ms)
+            return res.cached_tokens
 
         for inst in [r.prefill] + ([r.relay] if r.uses_relay else []):
             r.hold(inst)

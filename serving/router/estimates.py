@@ -6,7 +6,13 @@
     also caps it) or else the prior (`wan_mbps_prior`), is seeded by a probe of the link and
     refreshed by every completed KV transfer (P's TransferDone, background syncs too);
   - one `Ewma` per RLD address: the decode speed of one request (tokens/s after its first
-    batch), learnt when a request that streamed from RLD finishes (prior until then).
+    batch), learnt when a request that streamed from RLD finishes (prior until then);
+  - the KV wire format per target (`wire_format`: `[wan] kv_wire` for MD, `[router]
+    relay_kv_wire` for RLD, if the target declared it in its Info, else native) and what one
+    prompt token weighs in it (`wire_bytes_per_token`: P's canonical bytes x the format's ratio,
+    nominal (pddjax.kv.codec, scales included) until transfers in it measured it (`learn_wire`:
+    zstd's ratio depends on the KV), so transfer estimates, `explain` and the link's bookings
+    count the bytes that cross.
 
 The probe (`probe`, in the background at the router's start and when an MD rejoins the
 rotation) measures the link over the path P's KV takes (MD's `main_wan` address, else `main`)
@@ -33,6 +39,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pddjax import policy
+from pddjax.kv import codec
 from pddjax.policy import Ewma, LinkEstimator
 from serving.pb import cluster_pb2
 from serving.router import pools
@@ -59,6 +66,9 @@ class Estimates:
         self.probed: dict[str, dict] = {}  # by MD address: what the last probe measured (Stats)
         self.measured: set[str] = set()  # MD addresses whose first probe has ended (either way)
         self.probe_started: dict[str, float] = {}  # by MD address: time.monotonic() of the last probe's start
+        self.kv_wire = {"main": settings.kv_wire, "relay": settings.relay_kv_wire}  # configured, by target role
+        self.wire_ratio: dict[str, Ewma] = {}  # by format: encoded / canonical bytes of completed transfers
+        self.undeclared: set[tuple[str, str]] = set()  # (address, format) refused by a target's Info: logged once
 
     def link(self, main: Instance) -> LinkEstimator:
         if main.address not in self.links:
@@ -69,6 +79,39 @@ class Estimates:
 
     def speed(self, relay: Instance) -> Ewma:
         return self.relay_speed.setdefault(relay.address, Ewma(self.relay_tokens_per_s_prior))
+
+    # ---- the KV wire format per target ---------------------------------------------------
+    async def wire_format(self, target: Instance) -> str:
+        """The configured KV wire format for `target`'s role if the target declared it (its
+        Info's kv_wire_formats), else native (logged once per target and format)."""
+        want = self.kv_wire.get(target.role, "native")
+        try:
+            if want == "native" or want in (await pools.info(target)).kv_wire_formats:
+                return want
+        except grpc.aio.AioRpcError:
+            return "native"  # no Info now: the format every receiver decodes
+        if (target.address, want) not in self.undeclared:
+            self.undeclared.add((target.address, want))
+            print(f"router: {target.role} {target.address} does not accept KV as {want}; it gets native",
+                  file=sys.stderr, flush=True)
+        return "native"
+
+    def ratio(self, fmt: str, info: cluster_pb2.ServiceInfo) -> Ewma:
+        """Encoded / canonical bytes of `fmt` for KV shaped like `info`'s (P's): nominal first."""
+        if fmt not in self.wire_ratio:
+            args = (info.num_layers, info.num_kv_heads, info.head_dim, info.dtype or "float32", info.page_size or 16)
+            self.wire_ratio[fmt] = Ewma(codec.bytes_per_token(fmt, *args) / codec.bytes_per_token("native", *args))
+        return self.wire_ratio[fmt]
+
+    async def wire_bytes_per_token(self, prefill: Instance, fmt: str) -> float:
+        """What one prompt token's KV weighs on the wire from `prefill` in `fmt`."""
+        native = await pools.kv_bytes_per_token(prefill)
+        return native if fmt == "native" else native * self.ratio(fmt, await pools.info(prefill)).value
+
+    def learn_wire(self, fmt: str, d: cluster_pb2.TransferDone) -> None:
+        """A completed transfer in `fmt` refines the format's ratio (zstd's depends on the KV)."""
+        if fmt in self.wire_ratio and not d.code and d.native_bytes >= 64 * 1024:
+            self.wire_ratio[fmt].add(d.bytes / d.native_bytes)
 
     # ---- the link probe ----------------------------------------------------------------
     def start_probe(self, main: Instance) -> bool:
@@ -148,4 +191,6 @@ class Estimates:
                               "source": lk.source, "age_s": now - lk.at, "describe": lk.describe(now),
                               "probe": self.probed.get(a)}
                           for a, lk in self.links.items()},
-                "rld_tokens_per_s": {a: e.value for a, e in self.relay_speed.items()}}
+                "rld_tokens_per_s": {a: e.value for a, e in self.relay_speed.items()},
+                "kv_wire": {**self.kv_wire, "ratios": {f: {"ratio": e.value, "samples": e.samples}
+                                                       for f, e in self.wire_ratio.items()}}}

@@ -46,6 +46,9 @@ class RouterMetrics:
         self.wan = Counter("pddjax_router_wan_bytes", "KV bytes sent A -> B (P's transfers to MD)", registry=r)
         self.completed = Counter("pddjax_router_requests_completed", "requests finished, by pipeline", ["pipeline"],
                                  registry=r)
+        self.queued = Histogram("pddjax_router_page_wait_seconds", "time a request waited for KV pages on a tier "
+                                "(P's, RLD's or MD's page queue; part of its TTFT)", ["tier"],
+                                buckets=LATENCY_BUCKETS, registry=r)
         if admission is not None:  # read at scrape time
             self.inflight.set_function(lambda: admission.inflight)
             self.queue_depth.set_function(lambda: admission.queued)
@@ -53,7 +56,7 @@ class RouterMetrics:
     def attach(self, registry: CollectorRegistry) -> None:
         """The same collectors join `registry` too (the service's, served on its /metrics)."""
         for c in (self.ttft, self.itl, self.inflight, self.queue_depth, self.pipelines, self.handoffs, self.failures,
-                  self.wan, self.completed):
+                  self.wan, self.completed, self.queued):
             registry.register(c)
         self.registry = registry
 
@@ -70,6 +73,10 @@ class RouterMetrics:
     def wan_bytes(self, n: int) -> None:
         if n > 0:
             self.wan.inc(n)
+
+    def page_wait(self, tier: str, ms: float) -> None:
+        """A tier answered after its page queue held the request `ms` (0: it fitted at once)."""
+        self.queued.labels(tier).observe(ms / 1e3)
 
     def done(self, pipeline: str) -> None:
         self.completed.labels(pipeline).inc()

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import re
 import sys
 
 import grpc
@@ -31,6 +32,22 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def channel(address: str) -> grpc.aio.Channel:
     return rpc.channel(address, rpc.PEER_CHANNEL_OPTIONS)  # TLS when configured (security.py)
+
+
+SHORT = {"prefill": "P", "relay": "RLD", "main": "MD"}  # the roles in prose
+
+
+def public_text(text: str, instances) -> str:
+    """`text` with every internal address replaced (an instance's by its name, any other
+    host:port by "an internal address"): what reaches users names no host or port."""
+    for inst in instances:
+        for a in {inst.address, inst.kv_address} - {""}:
+            text = text.replace(a, inst.name)
+    return _ADDRESS.sub("an internal address", text)
+
+
+# host:port, ipv4:/ipv6: URIs and [v6]:port as gRPC and the OS write them in error details.
+_ADDRESS = re.compile(r"(?:(?:ipv[46]|dns|unix):)?(?:\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]*[A-Za-z0-9]):\d{2,5}\b")
 
 
 class NoInstance(Exception):
@@ -47,13 +64,14 @@ class Instance:
     info: object = None  # ServiceInfo, fetched once
     channel: object = None
     kv_channel: object = None  # to kv_address (the link probe), opened on first use
+    name: str = ""  # what users see (explain, errors): "P0", "RLD1", "MD0"; never an address
 
 
 class Pool:
     def __init__(self, role: str, addresses: list[str], kv_addresses: list[str] | None = None):
         kv = kv_addresses or addresses
         self.role = role
-        self.instances = [Instance(role, a, k) for a, k in zip(addresses, kv)]
+        self.instances = [Instance(role, a, k, name=f"{SHORT[role]}{n}") for n, (a, k) in enumerate(zip(addresses, kv))]
         self._turn = itertools.count()
 
     def healthy(self, exclude=()) -> list[Instance]:
@@ -105,6 +123,13 @@ def kv_stub(inst: Instance) -> cluster_pb2_grpc.DecodeStub:
     if inst.kv_channel is None:
         inst.kv_channel = channel(inst.kv_address)
     return cluster_pb2_grpc.DecodeStub(inst.kv_channel)
+
+
+async def max_sequence_tokens(inst: Instance) -> int:
+    """The most tokens one request can ever hold on `inst`: its whole KV pool but the scratch page
+    (PagedEngine.max_sequence_tokens, from its ServiceInfo)."""
+    i = await info(inst)
+    return (i.num_pages - 1) * i.page_size
 
 
 async def info(inst: Instance) -> cluster_pb2.ServiceInfo:

@@ -106,9 +106,12 @@ class Request:
     cached_relay: int = 0  # RLD's own prefix hit (its Reserve): P sends RLD only the rest
     cached_main: int = 0  # MD's DRC prefix, pinned by its Reserve: P sends MD only the rest
     prefill_ms: float = 0.0
+    queued_ms: float = 0.0  # waited for KV pages in the tiers' page queues (P, RLD, MD), part of TTFT
     first_token: int | None = None  # P's (MD taking over before RLD sent any token)
     bytes_relay: int = 0  # KV bytes P sent RLD
-    bytes_main: int = 0  # KV bytes P sent MD (over the WAN)
+    bytes_main: int = 0  # KV bytes P sent MD (over the WAN), as encoded
+    kv_wire_relay: str = "native"  # the KV wire format of P -> RLD (Transfers.choose_wire)
+    kv_wire_main: str = "native"  # ... and of P -> MD
     main_kv_ms: float = 0.0  # P's push to MD, as P timed it
     main_kv: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # P reported MD's transfer
     main_kv_ok: bool = False  # ... and it was delivered

@@ -3,8 +3,9 @@
 `RouterService` composes its collaborators and holds no per-request state: each Generate makes
 one `request.Request` and passes it to every stage. A request's life (pipeline pdd; the others
 drop a tier):
-  1. validate (`validate.read`): tokenize, check against the model (INVALID_ARGUMENT with one
-     sentence, nothing reserved); the client's deadline becomes every downstream RPC's timeout;
+  1. validate (`validate.read`): tokenize (a large prompt on a worker thread), check against the
+     model (INVALID_ARGUMENT with one sentence, nothing reserved); the client's deadline becomes
+     every downstream RPC's timeout;
   2. admission (`admission.Admission`): a slot, or a FIFO wait for one; past max_inflight +
      max_queue -> RESOURCE_EXHAUSTED at once;
   3. plan (`choose.Chooser.plan`): the least-loaded healthy P and RLD (ties: the session's last
@@ -30,7 +31,7 @@ drop a tier):
   7. end (also on failure, client cancel or deadline): every task cancelled, every tier
      released (`Transfers.release`, after P's push to MD if the user's stream ended first).
 Metrics (TTFT, ITL, pipelines, handoffs, failures, WAN bytes): `metrics.RouterMetrics`;
-`Stats`: counters, admission, per-MD link estimates (source, age, the last probe), RLD speeds.
+`Stats` (to callers on the router's host only): counters, admission, per-MD link estimates, RLD speeds.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.admission = Admission(s.max_inflight, s.max_queue)  # bounded: RESOURCE_EXHAUSTED past it
         self.m = RouterMetrics(admission=self.admission)
         self.estimates = Estimates(s)
-        self.chooser = Chooser(self.pools, s, self.estimates, self.counters)
+        self.chooser = Chooser(self.pools, s, self.estimates, self.counters, self.m)
         self.transfers = Transfers(s, self.pools["prefill"], self.estimates, self.counters, self.m)
 
     def attach_metrics(self, metrics) -> None:
@@ -87,22 +88,32 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self.counters["link_probes"] += 1
 
     async def Stats(self, request, context):
+        """The operator's view (every tenant's counters, instance addresses): answered to callers on
+        this host only (`pddjax up`, benches, an operator's port-forward); users get PERMISSION_DENIED."""
+        peer = context.peer() or ""
+        if not peer.startswith(("ipv4:127.", "ipv6:[::1]", "unix:")):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "Stats is answered only on the router's own "
+                                                                   "host; use its /metrics endpoint")
         return router_pb2.StatsResponse(json=json.dumps(self.stats()))
 
     def stats(self) -> dict:
-        return {"counters": dict(self.counters), "admission": self.admission.stats(), **self.estimates.stats(),
+        return {"model": {"name": self.cfg.name, "max_context": self.cfg.max_context},
+                "counters": dict(self.counters), "admission": self.admission.stats(), **self.estimates.stats(),
                 "filtered_share": self.chooser.window.share(),
-                "instances": [{"role": i.role, "address": i.address, "healthy": i.healthy, "inflight": i.inflight}
-                              for p in self.pools.values() for i in p.instances]}
+                "instances": [{"role": i.role, "name": i.name, "address": i.address, "healthy": i.healthy,
+                               "inflight": i.inflight} for i in self._instances()]}
+
+    def _instances(self) -> list[pools.Instance]:
+        return [i for p in self.pools.values() for i in p.instances]
 
     async def Generate(self, request, context):
-        r = Request(deadline=Deadline.of(context))
+        r = Request(deadline=Deadline.of(context, self.s.default_deadline_s))  # never unbounded
         try:
             async for msg in self._generate(request, r):
                 yield msg
         except (Abort, Refused) as e:
             self.m.failed(e.code.name, e.stage or r.stage)
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, pools.public_text(e.message, self._instances()))
         except asyncio.CancelledError:  # the client cancelled, or its deadline passed
             self.m.failed("DEADLINE_EXCEEDED" if r.deadline.expired(slack_s=0.2) else "CANCELLED", r.stage)
             raise
@@ -111,7 +122,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self.admission.leave()
 
     async def _generate(self, req: router_pb2.GenerateRequest, r: Request):
-        validate.read(r, req, self.cfg, self.tok, self.s.handoff)
+        await validate.read(r, req, self.cfg, self.tok, self.s.handoff)
         r.stage = "admission"
         await self.admission.enter(r.deadline)  # Refused (RESOURCE_EXHAUSTED) past max_inflight + max_queue
         r.admitted, r.stage = True, "plan"
@@ -120,8 +131,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             r.stage = "reserve"
             await self.chooser.reserve(r)
+            await self.transfers.choose_wire(r)  # each target's KV wire format, named in explain
             self.m.chosen(PIPELINE_NAMES[r.pipeline], r.reason)
-            print(f"router: {r.label} ({r.rid}) session={r.session or '-'} {r.explain}", file=sys.stderr,
+            r.explain = pools.public_text(r.explain, self._instances())  # e.g. MD's Reserve error in it
+            where = " ".join(f"{i.name}={i.address}" for i in (r.prefill, r.relay, r.main or r.main_choice) if i)
+            print(f"router: {r.label} ({r.rid}) session={r.session or '-'} {r.explain} ({where})", file=sys.stderr,
                   flush=True)
             yield router_pb2.GenerateResponse(request_id=r.label, pipeline=r.pipeline, prompt_token_ids=r.prompt,
                                               explain=r.explain)

@@ -6,9 +6,10 @@
   - `expire` puts the client's deadline into the queues (the stream fails DEADLINE_EXCEEDED
     even when no tier reports it);
   - `Output.messages` reads the relay queue, then (after a batch `handed_off`) the main one,
-    checks every batch's position (no gap, duplicate or reorder), decodes text (holding back an
-    incomplete UTF-8 sequence; stop strings end the stream), times tokens (TTFT, ITL, RLD's
-    decode speed), and puts usage and timings on the last message. The caller settles the
+    checks every batch's position (no gap, duplicate or reorder), decodes text incrementally
+    (`detok.IncrementalText`: an incomplete UTF-8 sequence and a possible stop string's start
+    held back; stop strings end the stream), times tokens (TTFT, ITL, RLD's decode speed), and
+    puts usage and timings on the last message. The caller settles the
     request when it gets that message, before passing it on.
 """
 
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from serving.pb import cluster_pb2, common_pb2, router_pb2
+from serving.router.detok import IncrementalText
 from serving.router.request import PIPELINE_NAMES, Abort, Request, from_rpc
 
 if TYPE_CHECKING:
@@ -63,8 +65,8 @@ class Output:
     `on_switch()` runs once when the stream moves from RLD to MD (the caller releases RLD)."""
 
     def __init__(self, r: Request, tokenizer, stop_strings, metrics: RouterMetrics, on_switch=None):
-        self.r, self.tok, self.stop_strings = r, tokenizer, list(stop_strings)
-        self.timer, self.text = metrics.timer(r.t0), ""
+        self.r, self.timer = r, metrics.timer(r.t0)
+        self.text = IncrementalText(tokenizer, stop_strings)  # O(batch) per batch
         self.on_switch = on_switch
         self.on_main = not r.uses_relay  # the tier the user's tokens come from now
         self.ahead: list[int] | None = []  # MD's tokens while RLD is the source (None: MD disagreed or failed)
@@ -116,7 +118,7 @@ class Output:
 
     def _message(self, new: list[int], finish: int) -> router_pb2.GenerateResponse:
         source = common_pb2.ROLE_MAIN if self.on_main else common_pb2.ROLE_RELAY
-        delta, stop = self._add(new, source)
+        delta, stop = self._add(new, source, bool(finish))
         msg = router_pb2.GenerateResponse(request_id=self.r.label, token_ids=new, sources=[source] * len(new),
                                           text=delta)
         if stop or finish:
@@ -186,7 +188,7 @@ class Output:
         return cluster_pb2.TokenBatch(start_position=position, token_ids=it.token_ids[have:],
                                       finish_reason=it.finish_reason)
 
-    def _add(self, new: list[int], source: int) -> tuple[str, bool]:
+    def _add(self, new: list[int], source: int, final: bool) -> tuple[str, bool]:
         """Books `new` tokens (times, text) -> (their text, a stop string ended the text)."""
         r, now = self.r, time.perf_counter()
         if r.ttft is None and new:
@@ -198,21 +200,7 @@ class Output:
         r.tokens += new
         r.sources += [source] * len(new)
         self.timer.tokens(PIPELINE_NAMES[r.pipeline], len(new), now)
-        delta, self.text, stop = self._decode()
-        return delta, stop
-
-    def _decode(self) -> tuple[str, str, bool]:
-        """-> (new text, all text so far, a stop string was hit)."""
-        if self.tok is None:
-            return "", "", False
-        full = self.tok.decode(self.r.tokens, skip_special=True)
-        if full.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
-            return "", self.text, False
-        for s in self.stop_strings:
-            i = full.find(s, max(0, len(self.text) - len(s)))
-            if s and i >= 0:
-                return full[len(self.text):i], full[:i], True
-        return full[len(self.text):], full, False
+        return self.text.add(r.tokens, final)
 
     def _summary(self, msg: router_pb2.GenerateResponse) -> None:
         r = self.r
@@ -223,4 +211,4 @@ class Output:
             kv_bytes_to_main=r.bytes_main, handoff_tokens=r.handoff_tokens, handoff_chunks=r.handoff_chunks))
         msg.timings.CopyFrom(router_pb2.Timings(
             ttft_ms=1e3 * (r.ttft or 0), total_ms=1e3 * (time.perf_counter() - r.t0), prefill_ms=r.prefill_ms,
-            kv_to_main_ms=r.main_kv_ms, handoff_position=r.handoff_at or 0))
+            kv_to_main_ms=r.main_kv_ms, handoff_position=r.handoff_at or 0, queued_ms=r.queued_ms))

@@ -1,10 +1,12 @@
 """The router's transfers for one request (`Transfers`, passed the settings, P's pool, the
 estimates, the counters and the metrics):
 
+  - `choose_wire`: the KV wire format of each target (the configured one if it declared it,
+    else native; `Estimates.wire_format`), named in `explain` when it is not native;
   - `open`: the Decode streams of RLD and MD (pumped into the request's queues; pdd's RLD
     stream, if it breaks, is taken over by MD), and P's Prefill with its KV targets (RLD from
-    its own prefix hit, with the first token; MD from its DRC hit), MD's bytes booked on its
-    link estimate;
+    its own prefix hit, with the first token; MD from its DRC hit), each in its wire format,
+    MD's encoded bytes booked on its link estimate;
   - `_prefill`: P's events: what it cached and its first token, each target's transfer done or
     failed (`recovery`: a failed RLD push -> MD takes over, a failed MD push -> counted, RLD
     finishes or pd-cross fails), MD's KV landing -> RLD's `_handoff` (pdd), a P that fails
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from serving.router.estimates import Estimates
     from serving.router.metrics import RouterMetrics
 
+RELEASE_TIMEOUT_S = 30.0  # a background Reserve / Release (context syncs) waits no longer
 _REFUSED = grpc.StatusCode.FAILED_PRECONDITION.value[0]  # MD refuses this KV: never decode it anywhere
 
 
@@ -43,6 +46,19 @@ class Transfers:
         self.background_timeout_s = settings.background_timeout_s
         self.prefill_pool, self.estimates, self.counters, self.m = prefill_pool, estimates, counters, metrics
         self._sync_lock = asyncio.Lock()  # background context syncs run one at a time (low priority)
+        self.sync_timeout_s, self.max_sync_waiting = settings.sync_timeout_s, settings.max_sync_waiting
+        self._sync_waiting = 0  # syncs waiting for the lock
+
+    async def choose_wire(self, r: Request) -> None:
+        """The KV wire format of each target `r` pushes to; non-native ones are named in explain."""
+        if r.uses_relay:
+            r.kv_wire_relay = await self.estimates.wire_format(r.relay)
+        if r.uses_main:
+            r.kv_wire_main = await self.estimates.wire_format(r.main)
+        named = [f"{who} {fmt}" for who, fmt, used in (("RLD", r.kv_wire_relay, r.uses_relay),
+                                                       ("MD", r.kv_wire_main, r.uses_main)) if used and fmt != "native"]
+        if named:
+            r.explain += "; KV wire " + ", ".join(named)
 
     async def open(self, r: Request) -> None:
         """RLD's and MD's Decode streams, then P's Prefill pushing KV to both at once."""
@@ -54,14 +70,17 @@ class Transfers:
             r.relay_pump = asyncio.create_task(pump(call, r.relay_out, "relay", lost))
             r.tasks.append(r.relay_pump)
             targets.append(cluster_pb2.KVTarget(address=r.relay.kv_address, start=r.cached_relay,
-                                                role=common_pb2.ROLE_RELAY, include_first_token=True))
+                                                role=common_pb2.ROLE_RELAY, include_first_token=True,
+                                                kv_wire=r.kv_wire_relay))
         if r.uses_main:
             call = pools.stub(r.main).Decode(decode, timeout=r.deadline.timeout())
             r.tasks.append(asyncio.create_task(pump(call, r.main_out, "main")))
             targets.append(cluster_pb2.KVTarget(address=r.main.kv_address, start=r.cached_main,
-                                                role=common_pb2.ROLE_MAIN, include_first_token=not r.uses_relay))
+                                                role=common_pb2.ROLE_MAIN, include_first_token=not r.uses_relay,
+                                                kv_wire=r.kv_wire_main))
             r.link = self.estimates.link(r.main)
-            r.planned = (len(r.prompt) - r.cached_main) * await pools.kv_bytes_per_token(r.prefill)
+            per_token = await self.estimates.wire_bytes_per_token(r.prefill, r.kv_wire_main)
+            r.planned = int((len(r.prompt) - r.cached_main) * per_token)
             r.link.start(r.planned)
         preq = cluster_pb2.PrefillRequest(spec=r.spec, targets=targets, chunk_bytes=self.chunk_bytes)
         r.prefill_task = asyncio.create_task(self._prefill(r, preq))
@@ -77,6 +96,8 @@ class Transfers:
                     async for ev in pools.stub(prefill).Prefill(preq, timeout=r.deadline.timeout()):
                         if ev.HasField("prefilled"):
                             r.cached_prefill, r.prefill_ms = ev.prefilled.num_cached, ev.prefilled.prefill_ms
+                            r.queued_ms += ev.prefilled.queued_ms
+                            self.m.page_wait("prefill", ev.prefilled.queued_ms)
                             r.first_token = ev.prefilled.first_token
                             continue
                         reported.add(ev.transfer_done.role)
@@ -98,6 +119,7 @@ class Transfers:
     def _transfer_done(self, r: Request, d: cluster_pb2.TransferDone) -> None:
         err = Abort(CODES.get(d.code, grpc.StatusCode.UNKNOWN), d.error, "transfer") if d.code else None
         pdd = r.pipeline == common_pb2.PIPELINE_PDD
+        self.estimates.learn_wire(r.kv_wire_relay if d.role == common_pb2.ROLE_RELAY else r.kv_wire_main, d)
         if d.role == common_pb2.ROLE_RELAY:
             r.bytes_relay = d.bytes
             if err and pdd and r.main is not None and d.code != _REFUSED:
@@ -156,33 +178,56 @@ class Transfers:
 
     async def sync_main(self, r: Request) -> None:
         """A filtered (pd-local) turn of a session: push its context's KV to MD anyway, after the
-        user's request finished and one sync at a time, so the session's next turn hits MD's DRC."""
-        async with self._sync_lock:
-            rid, context = f"sync-{r.rid}", r.prompt + r.tokens[:-1]
-            spec = cluster_pb2.SequenceSpec(request_id=rid, prompt=context, sampling=r.spec.sampling, max_tokens=1,
-                                            stop_token_ids=r.spec.stop_token_ids)
-            main, prefill = pools.stub(r.main_choice), pools.stub(r.prefill)
-            ok, link, planned = False, self.estimates.link(r.main_choice), 0
-            try:
-                cached = (await main.Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True))).cached_tokens
-                planned = (len(context) - cached) * await pools.kv_bytes_per_token(r.prefill)
-                link.start(planned)
-                target = cluster_pb2.KVTarget(address=r.main_choice.kv_address, start=cached, role=common_pb2.ROLE_MAIN)
-                async for ev in prefill.Prefill(cluster_pb2.PrefillRequest(spec=spec, targets=[target],
-                                                                           chunk_bytes=self.chunk_bytes)):
-                    if ev.HasField("transfer_done"):
-                        d = ev.transfer_done
-                        self.m.wan_bytes(d.bytes)
-                        ok = not d.code
-                        link.done(planned, d.bytes, (d.wire_ms or d.ms) / 1e3, ok, total_seconds=d.ms / 1e3)
-                        planned = 0
-            except grpc.aio.AioRpcError:
-                pass
-            finally:
-                if planned:
-                    link.done(planned, 0, 0.0, ok=False)
-                self.counters["sync_main." + ("done" if ok else "failed")] += 1
-                await asyncio.gather(main.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=ok, cancel=True)),
-                                     prefill.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=True,
-                                                                                cancel=True)),
-                                     return_exceptions=True)
+        user's request finished and one sync at a time, so the session's next turn hits MD's DRC.
+        Bounded: at most `max_sync_waiting` wait behind the running one (more are dropped), and
+        each gives up after `sync_timeout_s` (both counted)."""
+        if self._sync_waiting >= self.max_sync_waiting:
+            self.counters["sync_main.dropped"] += 1
+            return
+        self._sync_waiting += 1
+        try:
+            await self._sync_lock.acquire()
+        finally:
+            self._sync_waiting -= 1
+        try:
+            await asyncio.wait_for(self._sync_one(r), self.sync_timeout_s)
+        except TimeoutError:
+            self.counters["sync_main.timed_out"] += 1
+        finally:
+            self._sync_lock.release()
+
+    async def _sync_one(self, r: Request) -> None:
+        """One context sync: Reserve on MD, P prefills (its prefix cache) and pushes the KV, both released."""
+        rid, context = f"sync-{r.rid}", r.prompt + r.tokens[:-1]
+        spec = cluster_pb2.SequenceSpec(request_id=rid, prompt=context, sampling=r.spec.sampling, max_tokens=1,
+                                        stop_token_ids=r.spec.stop_token_ids)
+        main, prefill = pools.stub(r.main_choice), pools.stub(r.prefill)
+        ok, link, planned = False, self.estimates.link(r.main_choice), 0
+        try:
+            cached = (await main.Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=True),
+                                         timeout=RELEASE_TIMEOUT_S)).cached_tokens
+            fmt = await self.estimates.wire_format(r.main_choice)
+            planned = int((len(context) - cached) * await self.estimates.wire_bytes_per_token(r.prefill, fmt))
+            link.start(planned)
+            target = cluster_pb2.KVTarget(address=r.main_choice.kv_address, start=cached, role=common_pb2.ROLE_MAIN,
+                                          kv_wire=fmt)
+            async for ev in prefill.Prefill(cluster_pb2.PrefillRequest(spec=spec, targets=[target],
+                                                                       chunk_bytes=self.chunk_bytes)):
+                if ev.HasField("transfer_done"):
+                    d = ev.transfer_done
+                    self.m.wan_bytes(d.bytes)
+                    self.estimates.learn_wire(fmt, d)
+                    ok = not d.code
+                    link.done(planned, d.bytes, (d.wire_ms or d.ms) / 1e3, ok, total_seconds=d.ms / 1e3)
+                    planned = 0
+        except grpc.aio.AioRpcError:
+            pass
+        finally:
+            if planned:
+                link.done(planned, 0, 0.0, ok=False)
+            self.counters["sync_main." + ("done" if ok else "failed")] += 1
+            await asyncio.gather(main.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=ok, cancel=True),
+                                              timeout=RELEASE_TIMEOUT_S),
+                                 prefill.Release(cluster_pb2.ReleaseRequest(request_id=rid, cache=True,
+                                                                            cancel=True), timeout=RELEASE_TIMEOUT_S),
+                                 return_exceptions=True)

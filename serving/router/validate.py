@@ -10,6 +10,7 @@ handoff mode (the client's, else `[router] handoff`).
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import TYPE_CHECKING
 
@@ -57,7 +58,7 @@ def prompt_of(req: router_pb2.GenerateRequest, cfg, tokenizer) -> list[int]:
     if not msgs:
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the chat has no messages")
     try:
-        return tokenizer.encode(tokenizer.apply_chat_template(msgs))
+        return tokenizer.encode_chat(msgs)  # special-token text inside a message stays plain text
     except Exception as e:  # noqa: BLE001  (template errors are the user's)
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat: {e}") from None
 
@@ -65,10 +66,19 @@ def prompt_of(req: router_pb2.GenerateRequest, cfg, tokenizer) -> list[int]:
 MAX_ID_CHARS = 256  # request_id and session_id: labels, bounded
 
 
-def read(r: Request, req: router_pb2.GenerateRequest, cfg, tokenizer, handoff: str) -> None:
+# Text or chat longer than this is tokenized (and its template rendered) on a worker thread, so
+# a large prompt does not stall every other stream on the router's event loop.
+OFF_LOOP_CHARS = 4096
+
+
+async def read(r: Request, req: router_pb2.GenerateRequest, cfg, tokenizer, handoff: str) -> None:
     """Fills `r` from `req` (its own random id; the client's request_id is its label), or raises Abort
     (INVALID_ARGUMENT). `handoff`: `[router] handoff`, for a request that names no mode."""
-    prompt = prompt_of(req, cfg, tokenizer)
+    chars = len(req.text) + sum(len(m.content) for m in req.chat.messages)
+    if chars > OFF_LOOP_CHARS:
+        prompt = await asyncio.to_thread(prompt_of, req, cfg, tokenizer)
+    else:
+        prompt = prompt_of(req, cfg, tokenizer)
     params = rpc.sampling_from_pb(req.sampling)
     max_tokens = int(req.max_tokens)
     for name, value in (("request_id", req.request_id), ("session_id", req.session_id)):

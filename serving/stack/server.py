@@ -6,20 +6,24 @@ one log line with the count and seconds), start its engine thread, then serve; f
 on `pddjax_jit_compiles_after_ready` counts what compiles anyway (0 expected). The port and
 the metrics endpoint open first: while the model loads and compiles, grpc.health.v1 says
 NOT_SERVING and every RPC answers UNAVAILABLE (lifecycle.Gate). A `ready_file` (JSON {role, pid, address, metrics}) is
-written once serving. SIGTERM/SIGINT drain: new RPCs get UNAVAILABLE, in-flight ones finish
+written once serving. Security (`listen`): no plaintext on a non-loopback host without
+`insecure`, the role's own TLS identity, callers authorised by role (serving/authz.py),
+reflection only when asked for. SIGTERM/SIGINT drain: new RPCs get UNAVAILABLE, in-flight ones finish
 (up to DRAIN_SECONDS), then the server stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
 
 import grpc
 
-from serving import rpc, security
+from pddjax.errors import UserError
+from serving import authz, rpc, security
 from serving.config import ServiceConfig
 from serving.gate import Gate, register
 from serving.metrics import ServiceMetrics
@@ -65,29 +69,58 @@ def build_servicer(cfg: ServiceConfig):
     if cfg.role == "prefill":
         from serving.engine.prefill import PrefillService
 
-        return PrefillService(engine, model.config, info)
+        service = PrefillService(engine, model.config, info)
+        service.kv_peers = authz.KVPeers(cfg.kv_peers, cfg.kv_peers_file)  # where it may push KV
+        return service
     from serving.engine.decode import DecodeService
 
     return DecodeService(cfg.role, engine, model.config, info)
 
 
-async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
-    public = cfg.role == "router"  # the port users reach: bearer token, no reflection
+@dataclasses.dataclass
+class Listening:
+    """A service's port, open: the server (started), its health servicer, gate and metrics."""
+    server: grpc.aio.Server
+    health: object  # grpc_health's aio HealthServicer
+    names: list[str]  # the role's gRPC service (health reports it)
+    gate: Gate
+    metrics: ServiceMetrics
+    address: str
+
+
+async def listen(cfg: ServiceConfig) -> Listening:
+    """Open the role's port (loading): the security rules first (security.listen_problem:
+    UserError with one sentence), then TLS with the role's identity when configured, the
+    bearer token on the router, per-role authorisation on internal ports (authz.RoleAuthz),
+    health (NOT_SERVING) and reflection only if `cfg.reflection`."""
+    public = cfg.role == "router"  # the port users reach: bearer token, TLS without client certificates
     token = security.router_token() if public else None
-    server = grpc.aio.server(options=rpc.SERVER_OPTIONS,
-                             interceptors=[security.BearerAuth(token)] if token else None)
+    tls = security.role_material(cfg.role) is not None
+    problem = security.listen_problem(cfg.role, cfg.host, tls, cfg.insecure, token is not None)
+    if problem:
+        raise UserError(problem)
+    interceptors = [security.BearerAuth(token)] if token else []
+    if tls and not public:
+        interceptors.append(authz.RoleAuthz(cfg.role))
+    server = grpc.aio.server(options=rpc.SERVER_OPTIONS, interceptors=interceptors or None)
     names = [SERVICES[cfg.role].full_name]
-    hs = rpc.add_health_and_reflection(server, names, reflection_on=not public)
+    hs = rpc.add_health_and_reflection(server, names, reflection_on=cfg.reflection)
     await rpc.set_serving(hs, names, False)  # the overall status "" starts SERVING in grpc's servicer
     metrics = ServiceMetrics(cfg.role)
     gate = Gate(metrics)
     register(server, SERVICES[cfg.role], gate)
-    port = rpc.add_port(server, f"{cfg.host}:{cfg.port}", public)
+    port = rpc.add_port(server, f"{cfg.host}:{cfg.port}", cfg.role)
     if port == 0:
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
     await server.start()
+    return Listening(server, hs, names, gate, metrics, f"{cfg.host}:{port}")
+
+
+async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
+    security.set_identity(cfg.role)  # the certificate this process dials its peers with
+    lst = await listen(cfg)
+    server, hs, names, gate, metrics, address = lst.server, lst.health, lst.names, lst.gate, lst.metrics, lst.address
     metrics_url = metrics.serve_http(cfg.host, 0)
-    address = f"{cfg.host}:{port}"
     print(f"pddjax {cfg.role} loading on {address} (metrics {metrics_url})", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

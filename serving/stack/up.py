@@ -6,14 +6,17 @@ of each (the router balances them). P and RLD reach each MD only through its own
 config, start the P, RLD, MD instances (`pddjax serve ROLE`), wait for their ready files,
 start the links, start the router (given every address: MD's `main` and, as `main_wan`, its
 link's; the router is not told the link's rate unless `[router] wan_mbps` or
-`--wan-capacity-mbps` says so: it probes the link it is given, as in a real deployment), write
-the state file
+`--wan-capacity-mbps` says so: it probes the link it is given, as in a real deployment), start
+the OpenAI-compatible gateway in front of it (`start_openai`, --openai-port), write the state file
   {"services": [{"role", "pid", "address", "metrics" (its /metrics URL)}], "wan": {...}, "wans": [...],
-   "router": ADDRESS}
+   "router": ADDRESS, "openai": "http://HOST:PORT/v1", "openai_service": {"pid", "address", "metrics"},
+   "tls_dir": the TLS directory or null (clients need its ca.pem)}
+P may push KV only to RLD and the links (`[prefill] kv_peers_file`, written once they listen).
 (`wan` is the first MD's link; byte counters refreshed every second), print the router
 address, and on Ctrl-C or SIGTERM stop every child (SIGTERM, then SIGKILL after a grace
-period). An instance that exits is reported; the stack stops when the router or every
-instance of a role is gone.
+period). A service that exits is started again on its port after a backoff
+(`supervise.Supervisor`); the stack stops only when a role has no instance left that runs
+or will run again (one exiting more than 5 times in 5 minutes is given up).
 """
 
 from __future__ import annotations
@@ -29,14 +32,38 @@ import time
 
 from pddjax.errors import UserError
 from serving.config import ENGINE_ROLES
+from serving.stack.supervise import Supervisor
 from serving.stack.wanlink import WanLink
 
 
 class Child:
-    def __init__(self, role: str, proc: subprocess.Popen, ready_file: str):
+    """One service process; `relaunch()` starts the same command again on the port it had."""
+
+    def __init__(self, role: str, proc: subprocess.Popen, ready_file: str, cmd: list[str] | None = None,
+                 env: dict | None = None, log=None):
         self.role, self.proc, self.ready_file = role, proc, ready_file
+        self.cmd, self.env, self.log = cmd, env, log
         self.address: str | None = None
         self.metrics: str | None = None  # its Prometheus endpoint (from the ready file)
+        self.restarting = False  # relaunched, not ready yet (supervise.py)
+
+    def read_ready(self) -> None:
+        with open(self.ready_file) as f:
+            ready = json.load(f)
+        self.address, self.metrics = ready["address"], ready.get("metrics")
+
+    def relaunch(self) -> None:
+        """The same command with `--port` set to the port it listened on (peers keep its address)."""
+        if self.cmd is None:
+            raise OSError(f"the {self.role} service was not started with a command to repeat")
+        cmd = list(self.cmd)
+        if self.address and "--port" in cmd:
+            cmd[cmd.index("--port") + 1] = self.address.rsplit(":", 1)[1]
+        if os.path.exists(self.ready_file):
+            os.remove(self.ready_file)
+        self.proc = subprocess.Popen(cmd, stdout=self.log or subprocess.DEVNULL, stderr=self.log or None,
+                                     env=self.env)
+        self.restarting, self.metrics = True, None
 
 
 def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, name: str | None = None,
@@ -49,7 +76,7 @@ def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, na
     if cpus:
         env["PDDJAX_CPUS"] = ",".join(map(str, cpus))
     proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=log or None, env=env)
-    return Child(role, proc, ready)
+    return Child(role, proc, ready, cmd, env, log)
 
 
 # How long services may take to report SERVING: each precompiles its step shape set first
@@ -63,9 +90,7 @@ async def wait_ready(children: list[Child], timeout: float = READY_SECONDS) -> N
     while any(c.address is None for c in children):
         for c in children:
             if c.address is None and os.path.exists(c.ready_file):
-                with open(c.ready_file) as f:
-                    ready = json.load(f)
-                c.address, c.metrics = ready["address"], ready.get("metrics")
+                c.read_ready()
             if c.proc.poll() is not None and c.address is None:
                 raise UserError(f"the {c.role} service exited with code {c.proc.returncode} while starting")
         if time.monotonic() > deadline:
@@ -94,7 +119,7 @@ def write_json(path: str, obj) -> None:
 
 
 async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool = False,
-                    instances: tuple[int, int, int] = (1, 1, 1)) -> int:
+                    instances: tuple[int, int, int] = (1, 1, 1), openai_port: int = 0) -> int:
     workdir = tempfile.mkdtemp(prefix="pddjax-up-")
     children: list[Child] = []
     links: list[WanLink] = []
@@ -105,6 +130,8 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
     log = open(os.path.join(workdir, "services.log"), "ab")
     try:
         cfg_path = os.path.join(workdir, "stack.json")
+        peers_file = os.path.join(workdir, "prefill-kv-peers.json")  # where P may push KV: written below
+        stack = {**stack, "prefill": {**stack.get("prefill", {}), "kv_peers_file": peers_file}}
         write_json(cfg_path, stack)
         children = [spawn(r, cfg_path, workdir, log=log, name=f"{r}{k}")
                     for r, n in zip(ENGINE_ROLES, instances) for k in range(n)]
@@ -120,6 +147,7 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
         for a in addr["main"]:
             links.append(WanLink.from_settings(a, wan))  # bandwidth, latency, jitter, trace, stalls
             wan_addrs.append(await links[-1].start(stack.get("host", "127.0.0.1")))
+        write_json(peers_file, [*addr["relay"], *wan_addrs])  # P's KV peers: RLD, and MD through its link
         rstack = {**stack, "router": {**stack.get("router", {}), "prefill": addr["prefill"], "relay": addr["relay"],
                                       "main": addr["main"], "main_wan": wan_addrs}}
         rcfg = os.path.join(workdir, "router.json")
@@ -127,32 +155,31 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
         router = spawn("router", rcfg, workdir, port=port, log=log)
         children.append(router)
         await wait_ready([router], timeout=120)
+        gateway = await start_openai(router.address, openai_port, workdir, log, rstack)
+        children.append(gateway)
         link = links[0]
 
         def state():
             wans = [{"address": w, "target": a, **lk.stats()} for w, a, lk in zip(wan_addrs, addr["main"], links)]
             return {"services": [{"role": c.role, "pid": c.proc.pid, "address": c.address, "metrics": c.metrics}
-                                 for c in children],
-                    "router": router.address, "wan": wans[0], "wans": wans, "log": log.name}
+                                 for c in children if c.role != "openai"],
+                    "router": router.address, "wan": wans[0], "wans": wans, "log": log.name, **openai_state(gateway),
+                    "tls_dir": os.environ.get("PDDJAX_TLS_DIR")}
 
         if state_file:
             write_json(state_file, state())
         counts = ", ".join(f"{n} {r}" for r, n in zip(ENGINE_ROLES, instances))
         print(f"pddjax up: router on {router.address} ({counts}; WAN link {wan_addrs[0]} -> MD {addr['main'][0]}, "
-              f"{link.mbps or 'unlimited'} Mb/s, {link.latency_ms} ms)", flush=True)
-        reported: set[int] = set()
+              f"{link.mbps or 'unlimited'} Mb/s, {link.latency_ms} ms, KV wire "
+              f"{stack.get('router', {}).get('kv_wire') or wan.get('kv_wire', 'native')})", flush=True)
+        print(f"pddjax up: OpenAI-compatible API on http://{gateway.address}/v1", flush=True)
+        supervisor = Supervisor(children)  # a service that exits is started again (supervise.py)
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
             except TimeoutError:
                 pass
-            for c in children:
-                if c.proc.poll() is not None and c.proc.pid not in reported:
-                    reported.add(c.proc.pid)
-                    print(f"pddjax up: the {c.role} service {c.address} exited ({c.proc.returncode})",
-                          file=sys.stderr, flush=True)
-            gone = [r for r in (*ENGINE_ROLES, "router")
-                    if all(c.proc.poll() is not None for c in children if c.role == r)]
+            gone = supervisor.poll()
             if gone:
                 print(f"pddjax up: no {gone[0]} service is left; stopping", file=sys.stderr, flush=True)
                 return 1
@@ -166,3 +193,26 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
         log.close()
         if state_file and os.path.exists(state_file):
             os.remove(state_file)
+
+
+# ---- the OpenAI-compatible HTTP gateway (serving/openai) in front of the router ----------
+async def start_openai(router_address: str, port: int, workdir: str, log, stack: dict) -> Child:
+    """`pddjax serve openai` for the ready router (its model named, so responses carry the
+    weights' fingerprint); returns once it listens (its address from the ready file)."""
+    from serving.config import service_config
+
+    cfg = service_config(stack, "router")
+    ready = os.path.join(workdir, "openai.ready.json")
+    cmd = [sys.executable, "-m", "pddjax", "serve", "openai", "--router", router_address, "--host", cfg.host,
+           "--port", str(port), "--model", cfg.model, "--ready-file", ready, *(["--insecure"] if cfg.insecure else [])]
+    env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
+    proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=log or None, env=env)
+    gateway = Child("openai", proc, ready, cmd, env, log)
+    await wait_ready([gateway], timeout=120)
+    return gateway
+
+
+def openai_state(gateway: Child) -> dict:
+    """The state file's `openai` (base URL) and `openai_service` (pid, address, metrics)."""
+    return {"openai": f"http://{gateway.address}/v1",
+            "openai_service": {"pid": gateway.proc.pid, "address": gateway.address, "metrics": gateway.metrics}}

@@ -1,0 +1,138 @@
+"""The router's GenerateResponses -> OpenAI responses and stream chunks.
+
+`Answer` reads one Generate stream: the first message names the pipeline (and the prompt's
+token ids), each later one carries tokens (ids, the tier that made them, their text delta),
+the last one `finish_reason`, usage and timings. From it come the non-streamed
+`chat.completion` / `text_completion`, and per router message one `chat.completion.chunk` /
+streamed `text_completion`. Usage: prompt, completion and total tokens, `cached_tokens` =
+prompt tokens P's prefix cache supplied (the computation the request skipped). The `pddjax`
+extension (on the response, and on the stream's finishing chunk) holds the pipeline, the
+relay/main token split, both caches' hits, the KV bytes that crossed, the router's timings
+and the gateway's own TTFT (its request received -> first token sent on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from serving.openai import schemas as s
+from serving.pb import common_pb2, router_pb2
+
+FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+          common_pb2.FINISH_REASON_CANCELLED: "stop"}
+PIPELINES = {common_pb2.PIPELINE_AUTO: "auto", common_pb2.PIPELINE_PDD: "pdd",
+             common_pb2.PIPELINE_PD_CROSS: "pd-cross", common_pb2.PIPELINE_PD_LOCAL: "pd-local"}
+SOURCES = {common_pb2.ROLE_RELAY: "relay", common_pb2.ROLE_MAIN: "main", common_pb2.ROLE_PREFILL: "prefill"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """The model as the gateway names it."""
+
+    name: str
+    fingerprint: str
+
+    @property
+    def system_fingerprint(self) -> str:
+        return f"pddjax-{self.fingerprint}"
+
+
+class Answer:
+    def __init__(self, chat: bool, rid: str, served: Served, return_ids: bool):
+        self.chat, self.rid, self.served, self.return_ids = chat, rid, served, return_ids
+        self.created = int(time.time())
+        self.pipeline, self.explain, self.prompt_ids = "", "", []
+        self.token_ids: list[int] = []
+        self.relay_tokens = self.main_tokens = 0
+        self.text = ""
+        self.finish: str | None = None
+        self.usage_pb = router_pb2.Usage()
+        self.timings_pb = router_pb2.Timings()
+        self.gateway_ttft_ms: float | None = None  # the gateway's: request received -> first token sent on
+
+    def take(self, msg: router_pb2.GenerateResponse) -> None:
+        """One router message into the answer (the first names the pipeline)."""
+        if msg.pipeline and not self.pipeline:
+            self.pipeline, self.explain, self.prompt_ids = PIPELINES[msg.pipeline], msg.explain, list(
+                msg.prompt_token_ids)
+        self.token_ids += msg.token_ids
+        for src in msg.sources:
+            if src == common_pb2.ROLE_RELAY:
+                self.relay_tokens += 1
+            elif src == common_pb2.ROLE_MAIN:
+                self.main_tokens += 1
+        self.text += msg.text
+        if msg.finish_reason:
+            self.finish = FINISH.get(msg.finish_reason, "stop")
+            self.usage_pb, self.timings_pb = msg.usage, msg.timings
+
+    # ---- parts ---------------------------------------------------------------------------
+    def usage(self) -> s.Usage:
+        u = self.usage_pb
+        completion = u.completion_tokens or len(self.token_ids)
+        return s.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=completion,
+                       total_tokens=u.prompt_tokens + completion,
+                       prompt_tokens_details=s.PromptTokensDetails(cached_tokens=u.cached_on_prefill))
+
+    def extension(self) -> dict:
+        u, t = self.usage_pb, self.timings_pb
+        return {"pipeline": self.pipeline, "explain": self.explain, "relay_tokens": u.relay_tokens,
+                "main_tokens": u.main_tokens, "cached_on_prefill": u.cached_on_prefill,
+                "cached_on_main": u.cached_on_main, "kv_bytes_to_relay": u.kv_bytes_to_relay,
+                "kv_bytes_to_main": u.kv_bytes_to_main, "handoff_tokens": u.handoff_tokens,
+                "handoff_chunks": u.handoff_chunks, "handoff_position": t.handoff_position,
+                "router_ttft_ms": round(t.ttft_ms, 2), "router_total_ms": round(t.total_ms, 2),
+                "prefill_ms": round(t.prefill_ms, 2), "kv_to_main_ms": round(t.kv_to_main_ms, 2),
+                "gateway_ttft_ms": self.gateway_ttft_ms}
+
+    def _head(self) -> dict:
+        head = dict(id=self.rid, created=self.created, model=self.served.name,
+                    system_fingerprint=self.served.system_fingerprint)
+        if self.return_ids:
+            head["prompt_token_ids"] = self.prompt_ids
+        return head
+
+    def _ids(self, ids) -> dict:
+        return {"token_ids": list(ids)} if self.return_ids else {}
+
+    # ---- whole responses -----------------------------------------------------------------
+    def response(self) -> s.ChatCompletion | s.Completion:
+        common = dict(**self._head(), usage=self.usage(), pddjax=self.extension())
+        if self.chat:
+            choice = s.ChatChoice(index=0, message=s.AssistantMessage(role="assistant", content=self.text),
+                                  finish_reason=self.finish, logprobs=None, **self._ids(self.token_ids))
+            return s.ChatCompletion(object="chat.completion", choices=[choice], **common)
+        choice = s.CompletionChoice(index=0, text=self.text, finish_reason=self.finish, logprobs=None,
+                                    **self._ids(self.token_ids))
+        return s.Completion(object="text_completion", choices=[choice], **common)
+
+    # ---- stream chunks -------------------------------------------------------------------
+    def chunk(self, text: str | None, ids=(), finish: str | None = None, role: bool = False,
+              usage_null: bool = False, source: int = 0) -> s.ChatCompletionChunk | s.Completion:
+        """One chunk: `text` (chat: the delta's content; None: no content key), the ids it
+        carries, `finish` on the last; `role` on a chat's first; `usage_null` when the client
+        asked for usage (every chunk but the last then says usage: null)."""
+        extra: dict = {"usage": None} if usage_null else {}
+        if finish is not None:
+            extra["pddjax"] = self.extension()
+        elif source:
+            extra["pddjax"] = {"source": SOURCES.get(source, "?")}
+        head = self._head() if role or finish is not None else {k: v for k, v in self._head().items()
+                                                                  if k != "prompt_token_ids"}
+        if self.chat:
+            delta = s.Delta(role="assistant", content=text or "") if role else (
+                s.Delta(content=text) if text is not None else s.Delta())
+            choice = s.ChatChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=None,
+                                       **(self._ids(ids) if not role else {}))
+            return s.ChatCompletionChunk(object="chat.completion.chunk", choices=[choice], **head, **extra)
+        choice = s.CompletionChoice(index=0, text=text or "", finish_reason=finish, logprobs=None,
+                                    **(self._ids(ids) if not role else {}))
+        return s.Completion(object="text_completion", choices=[choice], **head, **extra)
+
+    def usage_chunk(self) -> s.ChatCompletionChunk | s.Completion:
+        """include_usage's last chunk: no choices, the usage."""
+        head = {k: v for k, v in self._head().items() if k != "prompt_token_ids"}
+        if self.chat:
+            return s.ChatCompletionChunk(object="chat.completion.chunk", choices=[], usage=self.usage(), **head)
+        return s.Completion(object="text_completion", choices=[], usage=self.usage(), **head)

@@ -1,0 +1,229 @@
+"""The gateway's HTTP API (FastAPI): OpenAI's endpoints over the router's streaming Generate.
+
+  POST /v1/chat/completions, POST /v1/completions   streamed (SSE via sse-starlette: one chunk
+       per router message, then include_usage's usage chunk, then `data: [DONE]`) or not
+  GET  /v1/models    the served model (the router answers Stats with the client's token first)
+  GET  /health       200 when the router's grpc.health.v1 says SERVING, else 503
+  GET  /metrics      Prometheus (gateway.metrics)
+
+A request: body checked (pydantic, then `translate`: 400), the Generate call opened with the
+client's Authorization, and its first message awaited: a router refusal comes before it, so
+it becomes the HTTP status (errors.py); then the answer streams or is collected. The call is
+cancelled (every tier releases the request) whenever the client goes away: mid-stream (the
+SSE response's disconnect watch cancels the generator), while the gateway waits for the first
+message or collects a non-streamed answer (`_unless_gone`), or if the response never started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette.sse import EventSourceResponse
+
+from serving.openai import errors, translate
+from serving.openai.answer import Answer, Served
+from serving.openai.errors import OpenAIError, from_rpc
+from serving.openai.metrics import CLIENT_GONE, GatewayMetrics
+from serving.openai.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from serving.openai.upstream import Upstream
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, coro):
+    """`coro`'s result, unless the client disconnects first (then `coro` is cancelled: ClientGone)."""
+    work, gone = asyncio.ensure_future(coro), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        raise ClientGone
+    return work.result()
+
+
+async def _collect(messages, answer: Answer) -> None:
+    async for msg in messages:
+        answer.take(msg)
+
+
+class _Stream(EventSourceResponse):
+    """An SSE response that runs `on_close` however it ends (also if it never started)."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class Gateway:
+    def __init__(self, upstream: Upstream, served: Served, *, check_model: bool = True, default_max_tokens: int = 256,
+                 request_timeout: float | None = 600.0, metrics: GatewayMetrics | None = None):
+        self.upstream, self.served, self.check_model = upstream, served, check_model
+        self.default_max_tokens, self.request_timeout = default_max_tokens, request_timeout
+        self.metrics = metrics or GatewayMetrics()
+        self.started = int(time.time())
+
+    async def complete(self, body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool):
+        endpoint, t0 = ("chat" if chat else "completions"), time.perf_counter()
+        call, streaming = None, False
+        self.metrics.inflight.inc()
+        try:
+            if self.check_model and body.model != self.served.name:
+                raise OpenAIError(404, f"model {body.model!r} is not served here (this gateway serves "
+                                       f"{self.served.name!r})", "invalid_request_error", "model", "model_not_found")
+            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            req = translate.generate_request(body, rid, request.headers.get("x-session-id"), self.default_max_tokens)
+            answer = Answer(chat, rid, self.served, body.return_token_ids)
+            call = self.upstream.generate(req, request.headers.get("authorization"),
+                                          body.request_timeout or self.request_timeout)
+            messages = aiter(call)
+            try:
+                answer.take(await _unless_gone(request, anext(messages)))
+            except StopAsyncIteration:
+                raise OpenAIError(502, "the router ended the stream without an answer", "server_error") from None
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                outcome = {"code": CLIENT_GONE}  # what the stream ended with (set by _events)
+
+                def closed(call=call):
+                    call.cancel()  # a no-op once the router finished
+                    self.metrics.inflight.dec()
+                    self.metrics.answered(endpoint, outcome["code"])
+
+                stream = _Stream(self._events(messages, answer, include_usage, endpoint, t0, outcome),
+                                 on_close=closed, ping=15)
+                call, streaming = None, True  # the stream owns both now
+                return stream
+            await _unless_gone(request, _collect(messages, answer))
+            self.metrics.timer(endpoint, t0).tokens(len(answer.token_ids))
+            answer.gateway_ttft_ms = round(1e3 * (time.perf_counter() - t0), 2)
+            self.metrics.answered(endpoint, 200)
+            return Response(answer.response().model_dump_json(exclude_unset=True), media_type="application/json")
+        except OpenAIError as e:
+            self.metrics.answered(endpoint, e.status)
+            raise
+        except grpc.aio.AioRpcError as e:
+            err = from_rpc(e)
+            self.metrics.answered(endpoint, err.status)
+            raise err from None
+        except ClientGone:
+            self.metrics.answered(endpoint, CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
+        finally:
+            if call is not None:
+                call.cancel()
+            if not streaming:
+                self.metrics.inflight.dec()
+
+    async def _events(self, messages, answer: Answer, include_usage: bool, endpoint: str, t0: float, outcome: dict):
+        """SSE events: the role chunk (chat), one chunk per router message with tokens, the
+        finishing chunk (finish_reason, the pddjax extension), the usage chunk, [DONE];
+        `outcome["code"]`: the HTTP status it ended with (a router error: its status)."""
+        timer, dump = self.metrics.timer(endpoint, t0), dict(exclude_unset=True)
+        if answer.chat:
+            yield answer.chunk("", role=True, usage_null=include_usage).model_dump_json(**dump)
+        try:
+            async for msg in messages:
+                answer.take(msg)
+                if msg.token_ids or msg.text:
+                    timer.tokens(len(msg.token_ids))
+                    if answer.gateway_ttft_ms is None:
+                        answer.gateway_ttft_ms = round(1e3 * (time.perf_counter() - t0), 2)
+                    src = msg.sources[0] if msg.sources else 0
+                    yield answer.chunk(msg.text, msg.token_ids, usage_null=include_usage,
+                                       source=src).model_dump_json(**dump)
+        except grpc.aio.AioRpcError as e:
+            err = from_rpc(e)
+            outcome["code"] = err.status
+            yield err.body().model_dump_json()
+            yield "[DONE]"
+            return
+        yield answer.chunk(None, finish=answer.finish or "stop", usage_null=include_usage).model_dump_json(**dump)
+        if include_usage:
+            yield answer.usage_chunk().model_dump_json(**dump)
+        outcome["code"] = 200
+        yield "[DONE]"
+
+    async def models(self, request: Request) -> ModelList:
+        try:
+            st = await self.upstream.stats(request.headers.get("authorization"))
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.PERMISSION_DENIED:  # the key is checked all the same
+                raise from_rpc(e) from None
+            st = {}  # a gateway on another host: the router keeps its operator's view (Stats) to itself
+        healthy: dict[str, int] = {}
+        for inst in st.get("instances", []):
+            healthy[inst["role"]] = healthy.get(inst["role"], 0) + bool(inst.get("healthy"))
+        card = ModelCard(id=self.served.name, object="model", created=self.started, owned_by="pddjax",
+                         pddjax={"fingerprint": self.served.fingerprint, "router": self.upstream.address,
+                                 "healthy_instances": healthy, **({"model": st["model"]} if "model" in st else {})})
+        return ModelList(object="list", data=[card])
+
+    async def health(self):
+        ok, status = await self.upstream.serving()
+        if ok:
+            return {"status": "ok", "router": status}
+        return OpenAIError(503, f"the router is not serving ({status})", "service_unavailable",
+                           code="router_not_serving").response()
+
+
+def create_app(gw: Gateway) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        gw.upstream.open()
+        try:
+            yield
+        finally:
+            await gw.upstream.close()
+
+    app = FastAPI(title="pddjax OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    errors.install(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await gw.complete(body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await gw.complete(body, request, chat=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        return await gw.models(request)
+
+    @app.get("/health")
+    async def health():
+        return await gw.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc):
+        return JSONResponse(OpenAIError(404, f"no route {request.method} {request.url.path}", code="not_found")
+                            .body().model_dump(), status_code=404)
+
+    return app

@@ -1,0 +1,182 @@
+"""The OpenAI request and response bodies the gateway speaks (pydantic models).
+
+Requests: `ChatCompletionRequest` (POST /v1/chat/completions) and `CompletionRequest` (POST
+/v1/completions), the OpenAI fields plus pddjax's extensions (`top_k`, `pipeline`, `handoff`,
+`session_id`, `ignore_eos`, `stop_token_ids`, `return_token_ids`, `request_timeout`). Fields
+the OpenAI API has and pddjax does not serve (tools, logprobs, penalties, n > 1 ...) are
+declared so `translate` can refuse them by name; other unknown fields are ignored.
+
+Responses are built with every field they carry set explicitly and dumped with
+`exclude_unset=True`: OpenAI's nulls stay (`finish_reason: null`, `usage: null` in a stream
+with include_usage), extension fields a request did not ask for stay out.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+UINT32 = (1 << 32) - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class Message(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """What both endpoints take."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1, le=UINT32)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # OpenAI fields refused unless at their neutral value (translate.refuse_unsupported)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # pddjax extensions
+    top_k: int | None = Field(None, ge=0, le=UINT32)
+    pipeline: Literal["auto", "pdd", "pd-cross", "pd-local"] | None = None
+    handoff: Literal["one-shot", "chunked"] | None = None
+    session_id: str | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32)]] | None = None
+    return_token_ids: bool = False  # per choice (and chunk) `token_ids`, top-level `prompt_token_ids`
+    request_timeout: float | None = Field(None, gt=0)  # seconds: the router's deadline (504 past it)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# ---- responses ---------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | None = None
+
+
+class _Response(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[Any]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+    pddjax: dict[str, Any] | None = None  # the extension: pipeline, relay/main split, caches, timings
+
+
+class ChatCompletion(_Response):
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"]
+    choices: list[ChatChunkChoice]
+
+
+class Completion(_Response):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    pddjax: dict[str, Any]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

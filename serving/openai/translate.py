@@ -1,0 +1,120 @@
+"""OpenAI request bodies -> the router's GenerateRequest (checks first, one sentence each).
+
+- prompt: a chat's `messages` (system / developer / user / assistant; string content or text
+  parts, joined by newlines) go as the router's `chat` (its model's chat template); a
+  completion's `prompt` as `text` (a string) or `token_ids` (a list of ints); one prompt only;
+- sampling: temperature (OpenAI's default 1.0), top_p, the `top_k` extension, and a seed
+  (0 <= seed < 2^31, the engines' range; none given and temperature > 0: a random one, as
+  OpenAI samples anew);
+- length: `max_completion_tokens` or `max_tokens`, else the gateway's default;
+- stops: `stop` (a string or a list) as stop strings, `stop_token_ids`; `ignore_eos`;
+- placement: `pipeline`, `handoff`, `session_id` (else the `x-session-id` header);
+- n other than 1, tools, logprobs, echo, suffix, best_of, penalties and logit_bias are refused
+  by name (400): pddjax does not serve them, and silently ignoring them would mislead.
+The response id (`chatcmpl-...` / `cmpl-...`) is the router's request_id label, so both logs
+name the request alike.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from serving.client import HANDOFFS, PIPELINES
+from serving.openai.errors import invalid
+from serving.openai.schemas import UINT32, ChatCompletionRequest, CompletionRequest
+from serving.pb import common_pb2, router_pb2
+
+SEEDS = 1 << 31  # pddjax.model.sampling_params: seeds in [0, 2^31)
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    if body.n not in (None, 1):
+        raise invalid(f"n must be 1 (pddjax returns one choice per request), got {body.n}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise invalid(f"{name} is not supported (send 0 or leave it out)", name)
+    if body.logit_bias:
+        raise invalid("logit_bias is not supported", "logit_bias")
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools or body.tool_choice not in (None, "none", "auto"):  # "auto" with no tools: no tool calls
+            raise invalid("tools and tool_choice are not supported", "tools")
+        if body.logprobs or body.top_logprobs:
+            raise invalid("logprobs are not supported", "logprobs")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise invalid("response_format other than text is not supported", "response_format")
+    else:
+        if body.logprobs:
+            raise invalid("logprobs are not supported", "logprobs")
+        if body.echo:
+            raise invalid("echo is not supported", "echo")
+        if body.suffix:
+            raise invalid("suffix is not supported", "suffix")
+        if body.best_of not in (None, 1):
+            raise invalid(f"best_of must be 1, got {body.best_of}", "best_of")
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[router_pb2.ChatMessage]:
+    out = []
+    for i, m in enumerate(body.messages):
+        role = CHAT_ROLES.get(m.role)
+        if role is None:
+            raise invalid(f"messages[{i}].role {m.role!r} is not supported (use system, user or assistant)",
+                          f"messages.{i}.role")
+        if m.tool_calls:
+            raise invalid(f"messages[{i}] has tool_calls: tools are not supported", f"messages.{i}.tool_calls")
+        if m.content is None:
+            raise invalid(f"messages[{i}] has no content", f"messages.{i}.content")
+        if isinstance(m.content, str):
+            text = m.content
+        else:
+            bad = [p.type for p in m.content if p.type != "text" or p.text is None]
+            if bad:
+                raise invalid(f"messages[{i}] has a {bad[0]!r} content part: only text parts are supported",
+                              f"messages.{i}.content")
+            text = "\n".join(p.text for p in m.content)
+        out.append(router_pb2.ChatMessage(role=role, content=text))
+    return out
+
+
+def _prompt(body: CompletionRequest, req: router_pb2.GenerateRequest) -> None:
+    p = body.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str | list):  # a batch: only a batch of one
+        if len(p) != 1:
+            raise invalid(f"send one prompt per request (got a batch of {len(p)})", "prompt")
+        p = p[0]
+    if isinstance(p, str):
+        req.text = p
+        return
+    if not p:
+        raise invalid("the prompt is empty", "prompt")
+    if any(not 0 <= t <= UINT32 for t in p):
+        raise invalid("prompt token ids must be non-negative 32-bit integers", "prompt")
+    req.token_ids.ids.extend(p)
+
+
+def generate_request(body: ChatCompletionRequest | CompletionRequest, request_id: str, session_header: str | None,
+                     default_max_tokens: int) -> router_pb2.GenerateRequest:
+    refuse_unsupported(body)
+    temperature = 1.0 if body.temperature is None else body.temperature
+    seed = body.seed
+    if seed is None:
+        seed = secrets.randbelow(SEEDS) if temperature > 0 else 0
+    elif not 0 <= seed < SEEDS:
+        raise invalid(f"seed must be in [0, 2^31), got {seed}", "seed")
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    req = router_pb2.GenerateRequest(
+        request_id=request_id, session_id=body.session_id or session_header or "",
+        sampling=common_pb2.Sampling(temperature=temperature, top_k=body.top_k or 0,
+                                     top_p=1.0 if body.top_p is None else body.top_p, seed=seed),
+        max_tokens=max_tokens or default_max_tokens, stop_strings=[s for s in stops if s],
+        stop_token_ids=body.stop_token_ids or [], pipeline=PIPELINES[body.pipeline or "auto"],
+        handoff=HANDOFFS[body.handoff], ignore_eos=body.ignore_eos)
+    if isinstance(body, ChatCompletionRequest):
+        req.chat.messages.extend(chat_messages(body))
+    else:
+        _prompt(body, req)
+    return req
