@@ -164,9 +164,7 @@ def test_prefill_pushes_kv_only_to_configured_peers(tiny):
                                     max_tokens=1)
 
     def refused(peers, address):
-        svc = PrefillService(engine(tiny), tiny.config, {})
-        if peers is not None:
-            svc.kv_peers = peers
+        svc = PrefillService(engine(tiny), tiny.config, {}, peers)
         req = cluster_pb2.PrefillRequest(spec=spec, targets=[cluster_pb2.KVTarget(address=address)])
 
         async def first():

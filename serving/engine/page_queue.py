@@ -46,9 +46,6 @@ class PageQueue:
     def __init__(self, worker: EngineWorker, role: str, max_waiting: int = MAX_WAITING):
         self.worker, self.role, self.max_waiting = worker, role, max_waiting
         self.waiting: collections.deque[Waiter] = collections.deque()
-        self.admitted_after_wait = 0  # requests that waited, then fitted (metrics, tests)
-        self.refused_full = 0
-        self.timed_out = 0
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -62,7 +59,6 @@ class PageQueue:
             except OutOfPages:
                 pass
         if len(self.waiting) >= self.max_waiting:
-            self.refused_full += 1
             raise QueueFull(f"the {self.role} pool is full and {len(self.waiting)} requests already wait for pages")
         t0 = time.monotonic()
         end = t0 + (MAX_WAIT_S if timeout is None else min(timeout, MAX_WAIT_S))
@@ -76,11 +72,9 @@ class PageQueue:
                     except OutOfPages:
                         pass
                     else:
-                        self.admitted_after_wait += 1
                         return result, time.monotonic() - t0
                 left = end - time.monotonic()
                 if left <= 0:
-                    self.timed_out += 1
                     raise TimeoutError(f"no pages freed on {self.role} within {time.monotonic() - t0:.1f} s")
                 w.wake.clear()
                 try:

@@ -41,12 +41,13 @@ if TYPE_CHECKING:
 
 
 class PrefillService(cluster_pb2_grpc.PrefillServicer):
-    """`info` holds the static ServiceInfo fields; `kv_peers` where it may push KV (authz.KVPeers)."""
+    """`info` holds the static ServiceInfo fields; `kv_peers` where it may push KV (default:
+    loopback addresses only)."""
 
-    kv_peers = authz.KVPeers()  # loopback only, unless the config lists peers (serve sets it)
-
-    def __init__(self, engine: PagedEngine, model_config: ModelConfig, info: dict):
+    def __init__(self, engine: PagedEngine, model_config: ModelConfig, info: dict,
+                 kv_peers: authz.KVPeers | None = None):
         self.engine, self.cfg, self.info = engine, model_config, info
+        self.kv_peers = kv_peers or authz.KVPeers()
         self.progress: dict[str, _Progress] = {}  # requests still prefilling (engine thread)
         self.pushes: dict[str, list[asyncio.Task]] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}

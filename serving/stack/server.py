@@ -69,9 +69,7 @@ def build_servicer(cfg: ServiceConfig):
     if cfg.role == "prefill":
         from serving.engine.prefill import PrefillService
 
-        service = PrefillService(engine, model.config, info)
-        service.kv_peers = authz.KVPeers(cfg.kv_peers, cfg.kv_peers_file)  # where it may push KV
-        return service
+        return PrefillService(engine, model.config, info, authz.KVPeers(cfg.kv_peers, cfg.kv_peers_file))
     from serving.engine.decode import DecodeService
 
     return DecodeService(cfg.role, engine, model.config, info)
