@@ -40,6 +40,7 @@ _TABLE = {
     "Reserve":       (_NONE,  _R,                   _R),
     "PushKV":        (_NONE,  frozenset({PREFILL}), frozenset({PREFILL})),
     "Decode":        (_NONE,  _R,                   _R),
+    "DecodeStream":  (_NONE,  _R,                   _R),
     "Handoff":       (_NONE,  _R,                   _NONE),
     "HandoffTokens": (_NONE,  _NONE,                frozenset({RELAY, ROUTER})),
     "Probe":         (_NONE,  _NONE,                _R),

@@ -9,12 +9,15 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
     [engine]                  # defaults for prefill, relay, main
     dtype = "float32"; page_size = 16; num_pages = 256; attention = "auto"
     max_step_tokens = 256; max_rows = 32; prefix_cache = true; pad_limit = 1.5
+    tensor_parallel = 1       # devices per engine (a named model's degree is checked here)
                               # (exactly EngineConfig's fields, pddjax/engines/engine_config.py)
     [prefill] / [relay] / [main]    # per-role overrides of the above (+ port, platform, model)
                               # [prefill] kv_peers = ["host:port", ...]: where P may push KV
                               # (RLD, and MD as P reaches it: the WAN link's address); kv_peers_file
                               # = a JSON list of more, re-read when it changes (`pddjax up` writes
                               # one); neither: loopback addresses only (serving/authz.py)
+                              # coordinator_address = "HOST:PORT", num_processes, process_id: one
+                              # instance over several hosts (engines/multihost.py; flags override)
     [router]                  # port; prefill/relay/main: address lists (several instances per
                               # role), main_wan (MD as cluster A reaches it, parallel to main),
                               # relay_kv (RLD as P reaches it with KV, parallel to relay);
@@ -47,9 +50,10 @@ import dataclasses
 import json
 import tomllib
 
-from pddjax.engines.engine_config import EngineConfig
+from pddjax.engines.engine_config import EngineConfig, degree_problem
 from pddjax.errors import UserError
 from pddjax.kv.codec import FORMATS as KV_WIRE_FORMATS
+from pddjax.model.config import NAMED_CONFIGS
 from pddjax.policy import PolicyConfig
 
 ENGINE_ROLES = ("prefill", "relay", "main")
@@ -126,6 +130,10 @@ class ServiceConfig:
     reflection: bool = False  # grpc reflection on this service's port
     kv_peers: list[str] = dataclasses.field(default_factory=list)  # prefill: where it may push KV (authz.KVPeers)
     kv_peers_file: str | None = None  # prefill: a JSON list of more, re-read when it changes
+    # a multi-host instance (pddjax/engines/multihost.py): process 0 serves, the others follow its steps
+    coordinator_address: str | None = None  # HOST:PORT of process 0's jax.distributed coordinator
+    num_processes: int = 1
+    process_id: int = 0
 
 
 def read_file(path: str) -> dict:
@@ -166,13 +174,35 @@ def service_config(stack: dict, role: str, port: int | None = None) -> ServiceCo
         if cfg.router.handoff not in ("auto", "one-shot", "chunked"):
             raise UserError(f"[router] handoff must be auto, one-shot or chunked, got {cfg.router.handoff!r}")
         return cfg
+    for key, cast in (("coordinator_address", str), ("num_processes", int), ("process_id", int)):
+        if key in section:  # the role's table only: each host's process gets its own id
+            try:
+                setattr(cfg, key, cast(section.pop(key)))
+            except (TypeError, ValueError):
+                raise UserError(f"[{role}] {key} must be {'HOST:PORT' if cast is str else 'an integer'}") from None
+    problem = multihost_problem(cfg)
+    if problem:
+        raise UserError(f"[{role}] {problem}")
     engine = {**stack.get("engine", {}), **section}
     unknown = set(engine) - ENGINE_KEYS
     if unknown:
         raise UserError(f"unknown engine key {sorted(unknown)[0]!r} for {role} "
                         f"(known: {', '.join(sorted(ENGINE_KEYS))})")
     problem = EngineConfig(**engine).check()
+    known = NAMED_CONFIGS.get(cfg.model)  # a named model's heads are known here (a file's: at engine start)
+    if not problem and known is not None and engine.get("tensor_parallel", 1) != 1:
+        problem = degree_problem(engine["tensor_parallel"], known.num_heads, known.num_kv_heads)
     if problem:
         raise UserError(f"[{role}] {problem}")
     cfg.engine = engine
     return cfg
+
+
+def multihost_problem(cfg: ServiceConfig) -> str | None:
+    """One sentence on a multi-host setting that cannot work (flags and config alike), or None."""
+    n, i, coord = cfg.num_processes, cfg.process_id, cfg.coordinator_address
+    if n < 1 or not 0 <= i < n:
+        return f"process_id must be in [0, num_processes) and num_processes >= 1, got {i} of {n}"
+    if n > 1 and (not coord or ":" not in coord or not coord.rsplit(":", 1)[1].isdigit()):
+        return f"a multi-host instance of {n} processes needs coordinator_address = HOST:PORT, got {coord!r}"
+    return None

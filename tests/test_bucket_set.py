@@ -27,28 +27,96 @@ def prompt(n, seed):
 
 def test_the_set_is_small_and_stated():
     assert len(buckets.bucket_set(TINY_TOML, TINY)) == 22
-    assert len(buckets.bucket_set(PDDJAX_TOML, SMOLLM2_135M)) == 90
+    assert len(buckets.bucket_set(PDDJAX_TOML, SMOLLM2_135M)) == 110
     relay = EngineConfig(page_size=16, num_pages=256, max_step_tokens=256, max_rows=16)
-    assert len(buckets.bucket_set(relay, SMOLLM2_135M)) == 74
+    assert len(buckets.bucket_set(relay, SMOLLM2_135M)) == 90
     members = buckets.bucket_set(PDDJAX_TOML, SMOLLM2_135M)
     costs = [buckets.step_cost(m, 16) for m in members]
     assert costs == sorted(costs) and len(set(members)) == len(members)
+    mixed = {(T, B, Q) for T, B, _, Q in members if B > 1 and Q > 1}  # several rows of several tokens
+    assert mixed == {(b * q, b, q) for b in (2, 4, 8, 16) for q in (16, 32, 64, 128) if b * q <= 256}
+    unlimited = buckets.bucket_set(EngineConfig(page_size=16, num_pages=256, max_step_tokens=128, max_rows=8,
+                                                pad_limit=0), TINY)
+    assert {(T, B, Q) for T, B, _, Q in unlimited if B > 1 and Q > 1} == {  # the coarse Q = T members
+        (16, 4, 16), (16, 8, 16), (64, 4, 64), (64, 8, 64), (128, 4, 128), (128, 8, 128)}
 
 
-def test_every_possible_step_fits_a_member():
+def test_every_step_the_scheduler_can_form_fits_a_member():
     """Any step within the config's limits (tokens, rows, page width of the longest context)
-    is covered: the scheduler never needs a shape outside the set."""
+    that `pads_past` lets through (with pad_limit 0: any step) is covered: the scheduler
+    never needs a shape outside the set, and most such random steps are let through."""
     rng = np.random.default_rng(0)
-    for config, model in ((TINY_TOML, TINY), (PDDJAX_TOML, SMOLLM2_135M)):
+    for config, model in ((TINY_TOML, TINY), (PDDJAX_TOML, SMOLLM2_135M),
+                          (EngineConfig(page_size=16, num_pages=256, max_step_tokens=128, max_rows=8, pad_limit=0),
+                           TINY)):
         members = buckets.bucket_set(config, model)
         w_max = -(-min(model.max_context, (config.num_pages - 1) * config.page_size) // config.page_size)
+        checked = 0
         for _ in range(3000):
             rows = int(rng.integers(1, config.max_rows + 1))
             q = 1 if rng.random() < 0.3 else int(rng.integers(1, config.max_step_tokens - rows + 2))
             tokens = rows if q == 1 else int(rng.integers(q + rows - 1, config.max_step_tokens + 1))
             width = int(rng.integers(1, w_max + 1))
+            if rows > 1 and q > 1:  # several rows, one of several tokens: the scheduler checks the padding
+                prompt_rows = tokens >= q * rows // 2  # rows about as long as the longest: no decode rows
+                fit = buckets.fit(members, tokens, rows, width, q)
+                if fit is None or buckets.pads_past(members, config.pad_limit, rows, tokens, width, q,
+                                                    not prompt_rows):
+                    assert config.pad_limit > 0, (tokens, rows, width, q)
+                    continue
             m = buckets.fit(members, tokens, rows, width, q)
             assert m is not None and buckets.covers(m, tokens, rows, width, q), (tokens, rows, width, q)
+            checked += 1
+        assert checked > 1000, checked  # decode steps (30%) and the mixed steps let through
+
+
+def engine(tiny, **kw):
+    cfg = dict(page_size=16, num_pages=256, max_step_tokens=256, max_rows=8) | kw
+    return PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, EngineConfig(**cfg))
+
+
+def test_an_extend_chunk_never_pads_a_decode_batch_and_never_waits_for_good(tiny):
+    """MD with 6 requests decoding and one handoff's 20-token extend arriving: the decode rows
+    step alone (Q = 1: the extend would pad 8 rows to Q = 32, ~4x the step on this CPU), the
+    extend goes first in the next step, and every token equals the reference's."""
+    ref = ReferenceEngine(tiny.config, tiny.weights)
+    p_eng, md = engine(tiny), engine(tiny)
+    prompts = {f"d{i}": prompt(24, 60 + i) for i in range(6)} | {"h": prompt(40, 70)}
+    for rid, p in prompts.items():
+        p_eng.add(rid, p, GREEDY, 1, (), hold_on_finish=True)
+    while any(not s.generated for s in p_eng.seqs.values()):
+        p_eng.step()
+    expected = {rid: ref.generate(p, GREEDY, 30, ()).token_ids for rid, p in prompts.items()}
+    out = {}
+    for rid, p in prompts.items():
+        md.add(rid, p, GREEDY, 30, ())
+        md.import_kv(rid, p_eng.export_kv(rid))
+        known = expected[rid][:20] if rid == "h" else [p_eng.seqs[rid].generated[0]]
+        md.append_tokens(rid, 0, known)
+        out[rid] = list(known)
+    shapes = []
+    while md.has_work():
+        for ev in md.step():
+            out[ev.seq_id].append(ev.token)
+        shapes.append((md.last_shape, md.seqs["h"].pages.num_tokens if "h" in md.seqs else None))
+    T, B, MP, Q, rows = shapes[0][0]
+    assert (Q, rows) == (1, 6) and shapes[0][1] == 40  # the decodes alone; the extend's KV not computed
+    assert shapes[1][0][3] > 1 and shapes[1][1] == 40 + 20  # the extend ran in the next step
+    assert out == expected
+
+
+def test_equal_prompts_share_a_step_with_q_below_t(tiny):
+    """P with four 32-token prompts: one step of the member (128, 4, 32, 32) (the old set padded
+    them to Q = T = 128 and refused it by pad_limit: four steps); tokens are the reference's."""
+    ref = ReferenceEngine(tiny.config, tiny.weights)
+    eng = engine(tiny)
+    prompts = {f"p{i}": prompt(32, 80 + i) for i in range(4)}
+    for rid, p in prompts.items():
+        eng.add(rid, p, GREEDY, 1, ())
+    events = eng.step()
+    assert eng.last_shape == (128, 4, 32, 32, 4)
+    assert {e.seq_id: e.token for e in events} == {rid: ref.generate(p, GREEDY, 1, ()).token_ids[0]
+                                                   for rid, p in prompts.items()}
 
 
 def test_a_varied_workload_runs_only_members_and_compiles_nothing_after_precompile(tiny):

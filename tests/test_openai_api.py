@@ -413,6 +413,31 @@ def test_concurrent_streams_all_exact(up, oai, router):
         assert list(pool.map(one, prompts)) == want
 
 
+def test_overhead_benchmarks_client_is_exact_and_reuses_its_connections(up, router):
+    """serving/bench/openai_overhead.py's gateway side (aiohttp, keep-alive): 4 concurrent streams
+    equal the router's answers, the first round opens one connection per stream and the second
+    reuses them all (a timed round pays no connection setup)."""
+    import asyncio
+
+    from serving.bench.openai_overhead import connections, gateway
+
+    prompts = [ids(24, 30 + i) for i in range(4)]
+    want = [router.generate(make_request(p, max_tokens=8, ignore_eos=True, pipeline="pd-local"),
+                            timeout=120).token_ids for p in prompts]
+
+    async def rounds():
+        async with connections(4, api_key=TOKEN) as (session, opened):
+            first = await gateway(session, up.state["openai"], prompts, 8, "pd-local", model="tinychat")
+            after_first = opened["tcp"]
+            second = await gateway(session, up.state["openai"], prompts, 8, "pd-local", model="tinychat")
+            return first, second, after_first, opened["tcp"]
+
+    first, second, after_first, after_second = asyncio.run(rounds())
+    assert [t.tokens for t in first] == want and [t.tokens for t in second] == want
+    assert all(t.ttft is not None and t.router_ttft is not None and t.gateway_ttft is not None for t in second)
+    assert (after_first, after_second) == (4, 4)
+
+
 
 def test_serve_openai_flags_are_one_sentence():
     for args, words in ((["openai"], "needs --router"), (["openai", "--router", "127.0.0.1:1", "--host", "0.0.0.0"],

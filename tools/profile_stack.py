@@ -183,12 +183,14 @@ def categorize(frames: list[tuple[str, str, int]]) -> str:
         return "batch building (rows, numpy)"
     if "_pb2." in text or "/google/protobuf/" in leaf_file or "CopyFrom" in text or "Batch(" in text:
         return "protobuf construction"
-    if _in(names, "serving/router/stream.py", "serving/router/metrics.py", "serving/router/detok.py"):
-        return "router per batch (stream.Output, TokenTimer, detok)"
+    if _in(names, "serving/router/stream.py", "serving/router/metrics.py", "serving/router/detok.py",
+           "serving/router/decode_streams.py"):
+        return "router per batch (stream.Output, TokenTimer, detok, DecodeStream demux)"
     if any("prometheus_client" in f for _, f in names) or _in(names, "serving/metrics.py"):
         return "metrics (prometheus)"
-    if any(fn.endswith("._on_step") for fn, _ in names) or _in(names, "serving/engine/slot.py"):
-        return "per-token events (on_step, slot queues)"
+    if any(fn.endswith("._on_step") for fn, _ in names) or _in(names, "serving/engine/slot.py",
+                                                                "serving/engine/decode_stream.py"):
+        return "per-token events (on_step, slot queues, DecodeStream entries)"
     if in_jax:
         return "JAX other (KV import / export, device_put)"
     if _in(names, "serving/engine/worker.py"):

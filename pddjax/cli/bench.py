@@ -3,6 +3,7 @@
 - `bench serve` (serving/bench/serve.py): the agentic trace through pdd, pd-cross, pd-local.
 - `bench serving` (serving/bench/serving_load.py): N concurrent streams per pipeline vs the engine alone.
 - `bench kv-quality` (serving/bench/kv_quality.py): each KV wire format's cost, teacher-forced.
+- `bench kv-tp` (serving/bench/kv_tp.py): KV bytes moved per token between tensor-parallel degrees.
 - `bench reference`: real-model load time (GGUF cold vs orbax cache), prefill tokens/s at a
   512-token prompt, decode tokens/s at batch 1, all through the monolithic reference engine.
 """
@@ -28,9 +29,9 @@ def register(sub) -> None:
     r.add_argument("--json", help="also write the figures to this file")
     r.set_defaults(func=run_reference)
     from pddjax.cli import bench_engine
-    from serving.bench import handoff, kv_quality, serve, serving_load
+    from serving.bench import handoff, kv_quality, kv_tp, serve, serving_load
 
-    for module in (bench_engine, handoff, serve, kv_quality, serving_load):
+    for module in (bench_engine, handoff, serve, kv_quality, kv_tp, serving_load):
         module.register(bsub)
 
 

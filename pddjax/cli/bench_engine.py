@@ -4,6 +4,12 @@ decode_ms[b]: one decode step with b sequences at ~256-token contexts; extend_ms
 extend-decode step of k known tokens for one sequence at a ~256-token context (the RLD
 handoff); prefill_tokens_per_s: one 512-token prompt. Whole engine steps are timed (host
 batch building included). PDD's premise: extend_ms["64"] is close to decode_ms["1"].
+
+`--tensor-parallel N`: the engine over N devices (on CPU, N fake devices that share the
+machine's cores: the step times then show the overhead of the split, not its speed-up), and
+`collectives`: the all-reduces, all-gathers, ... in the compiled HLO of the decode step of the
+smallest batch and the extend step of the longest extend, counted as written (`static`) and as
+run per step (`per_step`: the layer loop's body once per layer).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ def register(bsub) -> None:
     p.add_argument("--batches", default="1,8,16,32")
     p.add_argument("--extends", default="1,16,64")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="devices of the engine (CPU: N fake devices sharing the cores: overhead only)")
     p.add_argument("--json", help="write the figures to this file")
     p.set_defaults(func=run)
 
@@ -44,7 +52,9 @@ def _median_ms(fn, repeats: int) -> float:
 def run(args) -> int:
     from pddjax.model.jax_setup import configure
 
-    configure()
+    if args.tensor_parallel < 1:
+        raise UserError(f"--tensor-parallel must be at least 1, got {args.tensor_parallel}")
+    configure(devices=args.tensor_parallel)
     import jax
 
     from pddjax.engines.paged_engine import EngineConfig, PagedEngine
@@ -68,8 +78,12 @@ def run(args) -> int:
     per_seq = max(CONTEXT + decode_budget, CONTEXT + max(extends) + 2, 512 + 1)
     pages = (max(batches) + 2) * (-(-per_seq // args.page_size))
     ecfg = EngineConfig(dtype=args.dtype, page_size=args.page_size, num_pages=pages + 1, attention=impl,
-                        max_step_tokens=512, max_rows=max(max(batches), 1))
-    eng = PagedEngine(cfg, model.weights, model.fingerprint, ecfg)
+                        max_step_tokens=512, max_rows=max(max(batches), 1), tensor_parallel=args.tensor_parallel)
+    try:
+        eng = PagedEngine(cfg, model.weights, model.fingerprint, ecfg)
+    except ValueError as e:  # a degree the model does not admit, or too few devices
+        raise UserError(str(e)) from None
+    collective_shapes = {}  # "decode" / "extend" -> the step shape whose HLO is counted
     greedy = SamplingParams()
 
     def prompt(n):
@@ -80,13 +94,18 @@ def run(args) -> int:
             eng.step()
 
     figures = {"model": cfg.name, "dtype": args.dtype, "attention": impl, "backend": jax.default_backend(),
-               "page_size": args.page_size, "context": CONTEXT, "decode_ms": {}, "extend_ms": {}}
+               "page_size": args.page_size, "context": CONTEXT, "decode_ms": {}, "extend_ms": {},
+               "tensor_parallel": args.tensor_parallel, "devices": eng.layout.describe()}
+    if args.tensor_parallel > 1 and jax.default_backend() == "cpu":
+        figures["note"] = (f"{args.tensor_parallel} fake CPU devices share this machine's cores: step times show "
+                           "the overhead of the split, not a speed-up")
     for b in batches:
         ids = [f"d{b}-{i}" for i in range(b)]
         for i in ids:
             eng.add(i, prompt(CONTEXT), greedy, decode_budget, ())
         prefill_all(ids)
         eng.step()  # warm-up (compile) for this shape
+        collective_shapes.setdefault("decode", eng.last_shape[:4])
         figures["decode_ms"][str(b)] = _median_ms(eng.step, args.repeats)
         for i in ids:
             eng.release(i, cache=False)
@@ -101,6 +120,7 @@ def run(args) -> int:
             t0 = time.perf_counter()
             eng.step()
             dt = time.perf_counter() - t0
+            collective_shapes["extend"] = eng.last_shape[:4]
             eng.release(sid, cache=cache)
             return dt
 
@@ -132,6 +152,19 @@ def run(args) -> int:
     d1, e64 = figures["decode_ms"].get("1"), figures["extend_ms"].get("64")
     if d1 and e64:
         figures["extend64_over_decode1"] = round(e64 / d1, 2)
+    figures["collectives"] = {what: {"shape": list(shape), **_collectives(eng, shape)}
+                              for what, shape in collective_shapes.items()}
     eng.check_integrity()
     write_figures(figures, args.json)
     return 0
+
+
+def _collectives(eng, shape) -> dict:
+    """The collectives of the compiled step of `shape` (held already: nothing compiles)."""
+    from pddjax.engines import hlo_collectives, precompile, step
+
+    batch, sampling = precompile.dummy_batch(shape)
+    compiled = step.build_step(eng.weights, eng.cfg, batch, eng.pool, sampling, max_q_len=shape[3],
+                               impl=eng.config.attention, layout=eng.layout)
+    counts = hlo_collectives.count(compiled.as_text())
+    return {kind: n for kind, n in counts.items() if n["static"]}

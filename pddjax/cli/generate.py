@@ -35,6 +35,8 @@ def register(sub) -> None:
     p.add_argument("--attention", choices=["xla", "pallas"], default=None,
                    help="run through the paged engine with this attention (default: the monolithic reference)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size of the paged engine (with --attention)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="run the paged engine over N devices (the model must admit N; on CPU N fake devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--router", metavar="HOST:PORT", help="generate through a PDD router instead of locally")
     p.add_argument("--pipeline", choices=["auto", "pdd", "pd-cross", "pd-local"], default="auto",
@@ -141,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
         return run_remote(args)
     from pddjax.model.jax_setup import configure
 
-    configure()
+    if args.tensor_parallel < 1:
+        raise UserError(f"--tensor-parallel must be at least 1, got {args.tensor_parallel}")
+    configure(devices=args.tensor_parallel)
     model, prompt_ids, params, stop_ids = prepare(args)
     if not args.json and model.source != "random":  # what was loaded, how long, peak host memory
         print(f"pddjax: {model.describe()}", file=sys.stderr)
@@ -160,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
     total = time.perf_counter() - t0
     finish = "stop" if tokens and tokens[-1] in stop_ids else "length"
     if args.json:
-        out = {"model": model.config.name, "engine": f"paged-{args.attention}" if args.attention else "reference",
+        paged = args.attention or args.tensor_parallel > 1
+        out = {"model": model.config.name, "engine": f"paged-{args.attention or 'auto'}" if paged else "reference",
+               "tensor_parallel": args.tensor_parallel,
                "prompt_ids": prompt_ids, "token_ids": tokens,
                "text": tok.decode(tokens, skip_special=True) if tok else None, "finish_reason": finish,
                "ttft_ms": round(1e3 * ttft, 2), "total_ms": round(1e3 * total, 2),
@@ -174,9 +180,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def token_stream(args, model, prompt_ids, params, stop_ids):
-    """Token ids as they are generated: the monolithic reference, or with --attention the
-    paged engine (one sequence through continuous batching) with that attention."""
-    if args.attention is None:
+    """Token ids as they are generated: the monolithic reference, or with --attention (or
+    --tensor-parallel N > 1) the paged engine (one sequence through continuous batching)."""
+    if args.attention is None and args.tensor_parallel == 1:
         from pddjax.engines.reference import ReferenceEngine
 
         yield from ReferenceEngine(model.config, model.weights, args.dtype).stream(
@@ -188,9 +194,13 @@ def token_stream(args, model, prompt_ids, params, stop_ids):
         raise UserError(f"--page-size must be at least 1, got {args.page_size}")
     S = args.page_size
     pages = 2 + -(-(len(prompt_ids) + args.max_tokens) // S)
-    eng = PagedEngine(model.config, model.weights, model.fingerprint,
-                      EngineConfig(dtype=args.dtype, page_size=S, num_pages=pages, attention=args.attention,
-                                   max_step_tokens=512, max_rows=1, prefix_cache=False))
+    try:
+        eng = PagedEngine(model.config, model.weights, model.fingerprint,
+                          EngineConfig(dtype=args.dtype, page_size=S, num_pages=pages,
+                                       attention=args.attention or "auto", max_step_tokens=512, max_rows=1,
+                                       prefix_cache=False, tensor_parallel=args.tensor_parallel))
+    except ValueError as e:  # a degree the model does not admit, or too few devices
+        raise UserError(str(e)) from None
     eng.add("cli", prompt_ids, params, args.max_tokens, stop_ids)
     while eng.has_work():
         for ev in eng.step():

@@ -18,6 +18,7 @@ def register(sub) -> None:
     p.add_argument("--config", help="stack config (TOML or JSON), see configs/ (every role but openai)")
     p.add_argument("--port", type=int, default=None, help="listen port (default: the config's; 0 = any)")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
+    _multihost_flags(p)
     _openai_flags(p)
     _security_flags(p)
     p.set_defaults(func=run_serve)
@@ -42,6 +43,10 @@ def register(sub) -> None:
     u.add_argument("--instances", default="1,1,1", metavar="P,R,M",
                    help="how many prefill, relay and main instances to start (default 1,1,1)")
     _security_flags(u)
+    u.add_argument("--netns", action="store_true",
+                   help="root: cluster A (P, RLD, router, gateway) and cluster B (MD) in their own network namespaces, "
+                        "joined by a veth pair shaped by the kernel (tc tbf for --wan-mbps; netem delay for "
+                        "--wan-latency-ms where the kernel has it, else a userspace link); deploy/README.md")
     u.add_argument("--tls", action="store_true",
                    help="make a development CA and per-role certificates (pddjax certs) in a new directory and run "
                         "the stack with them (the state file names it as `tls_dir`; clients need its ca.pem only)")
@@ -54,6 +59,15 @@ def register(sub) -> None:
                         "127.0.0.1)")
     c.add_argument("--days", type=int, default=30, help="validity in days (default 30)")
     c.set_defaults(func=run_certs)
+
+
+def _multihost_flags(p) -> None:
+    """One engine instance over several hosts (pddjax/engines/multihost.py): process 0 serves gRPC,
+    the others follow its steps. Override the role table's coordinator_address / num_processes / process_id."""
+    g = p.add_argument_group("multi-host instance (prefill, relay, main)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's jax.distributed coordinator address")
+    g.add_argument("--num-processes", type=int, metavar="N", help="processes (hosts) of this instance")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's index: 0 serves, the others follow")
 
 
 def _openai_flags(p) -> None:
@@ -163,7 +177,12 @@ def run_serve(args) -> int:
 
     cfg = service_config(read_file(args.config), args.role, args.port)
     cfg.insecure, cfg.reflection = cfg.insecure or args.insecure, cfg.reflection or args.reflection
+    _apply_multihost_flags(args, cfg)
     _die_with_parent()
+    if cfg.process_id > 0:  # a multi-host follower: no port, it replays process 0's device calls
+        from serving.stack.server import follow_leader
+
+        return follow_leader(cfg)
     import faulthandler
     import signal
 
@@ -176,6 +195,20 @@ def run_serve(args) -> int:
     memdiag.install(args.role)  # PDDJAX_TRACEMALLOC=N: `kill -USR2 PID` prints heap growth
     asyncio.run(serve(cfg, args.ready_file))
     return 0
+
+
+def _apply_multihost_flags(args, cfg) -> None:
+    from serving.config import multihost_problem
+
+    for flag, key in (("coordinator", "coordinator_address"), ("num_processes", "num_processes"),
+                      ("process_id", "process_id")):
+        if getattr(args, flag) is not None:
+            if cfg.role == "router":
+                raise UserError(f"--{flag.replace('_', '-')} is for an engine role, not the router")
+            setattr(cfg, key, getattr(args, flag))
+    problem = multihost_problem(cfg)
+    if problem:
+        raise UserError(problem)
 
 
 def load_stack(args) -> dict:
@@ -233,7 +266,12 @@ def run_up(args) -> int:
             raise UserError("give --tls (make development certificates) or --tls-dir DIR (use these), not both")
         args.tls_dir = tempfile.mkdtemp(prefix="pddjax-tls-")
         host = stack.get("host", "127.0.0.1")
-        make_dev_certs(args.tls_dir, DEFAULT_HOSTS + ((host,) if host not in DEFAULT_HOSTS else ()))
+        extra = ()
+        if args.netns:  # MD's and the router's addresses in their namespaces
+            from serving.stack.netns import HOST_A, WAN_B
+
+            extra = (WAN_B, HOST_A)
+        make_dev_certs(args.tls_dir, DEFAULT_HOSTS + tuple(h for h in (host, *extra) if h not in DEFAULT_HOSTS))
         print(f"pddjax up: development TLS certificates in {args.tls_dir} (clients need its ca.pem only)", flush=True)
     apply_security_flags(args, security.ROLES)
     from serving.stack.up import run_stack
@@ -244,5 +282,9 @@ def run_up(args) -> int:
         instances = ()
     if len(instances) != 3 or min(instances) < 1:
         raise UserError(f"--instances wants three counts >= 1 like 2,2,2, got {args.instances!r}")
+    if args.netns:
+        from serving.stack.netns_up import run_netns_stack
+
+        return asyncio.run(run_netns_stack(stack, args.port, args.state, instances, args.openai_port))
     return asyncio.run(run_stack(stack, args.port, args.state, instances=instances,
                                  openai_port=args.openai_port))

@@ -44,6 +44,36 @@ def padded_past(limit: float, taken: list[int], n: int) -> bool:
     return B * Q > limit * token_bucket(sum(taken) + n)
 
 
+MIXED_PAD = 4  # a step with decode rows may pad its query block this much further (see pads_past)
+
+
+def pads_past(members: list[Shape], limit: float, rows: int, tokens: int, width: int, q: int,
+              decode_rows: bool) -> bool:
+    """Would a step of `rows` rows (`tokens` packed, `width` pages in its widest row, `q` in its
+    longest) pad its query block past the limit? The cheapest member holding it pads every row
+    to Q: B x Q against `limit` x the step's tokens, and `limit` x MIXED_PAD with decode rows
+    in it (their matmul rows are real, only attention pads): tail chunks of a few handoffs
+    still ride with a few decodes (2 decodes + 3 extends of 22, joining one by one: 4 x 32 <=
+    6 x 24, then 8 x 32 <= 6 x 68), while an extend chunk never pads a batch of decode rows to
+    Q >= 16 (4 decodes + 1 of 16: 8 x 16 > 6 x 20; 64 decode rows padded to Q = 256 took 515 ms
+    against 4.3 ms for the decodes alone, tiny model). A 5-token prompt and a 32-token chunk:
+    2 x 32 > 1.5 x 37, each alone. A step of one-token rows, or limit 0: never. Steps that pass
+    fit a member with T = B x Q."""
+    if limit <= 0 or q <= 1:
+        return False
+    _, B, _, Q = fit(members, tokens, rows, width, q)
+    return B * Q > limit * (MIXED_PAD if decode_rows else 1) * tokens
+
+
+def step_order(pending: list, multi_first: bool) -> list:
+    """The order rows join a step: fewest pending tokens first (decode rows, then short
+    chunks); `multi_first` (the last step left a multi-token row out for padding): rows of
+    several tokens first, so an extend chunk never waits behind decode rows for good."""
+    if multi_first:
+        return sorted(pending, key=lambda s: (s.num_pending == 1, s.num_pending))
+    return sorted(pending, key=lambda s: s.num_pending)
+
+
 # ---- the stated bucket set: every step shape an engine runs, compiled before it serves ----
 
 Shape = tuple[int, int, int, int]  # (T tokens, B rows, MP page-table width, Q max row length)
@@ -76,23 +106,32 @@ def bucket_set(config, model_config) -> list[Shape]:
     decode  every row one token: T = B in 1, 2, 4 .. Bmax; Q = 1; MP in 8, 16, 32 .. Wmax.
     chunk   one row of several tokens (a prefill chunk, a lone extend): B = 1, Q = T in
             16, 32 .. Tmax; MP in 32, 64 .. Wmax.
-    mixed   several rows, one or more of several tokens (extend / tail chunks riding with
-            decode rows): B in 4, 16 .. Bmax (x4), Q = T in 16, 64, 256 .. Tmax (x4), MP as chunk.
+    mixed   several rows, one or more of several tokens (prompt rows sharing a step, extend /
+            tail chunks of several handoffs, with or without decode rows), pad_limit > 0:
+            B in 2, 4 .. Bmax, Q in 16, 32 .. with T = B x Q <= Tmax, MP as chunk: a step
+            of several multi-token rows pads its query block B x Q to at most pad_limit x
+            its tokens (`pads_past`), and these are the members such a step can take.
+            pad_limit 0 (no limit): B in 4, 16 .. Bmax (x4), Q = T in 16, 64, 256 .. Tmax (x4).
     Why: decode is the hot path and pays for its page-table width on every step (the XLA
     gather copies B x MP pages per layer), so rows and widths keep the x2 ladders there;
-    steps with a long row cost their T matmuls plus [B, Q] x [B, MP*S] attention, so Q is
-    tied to T (prompt rows then never share a step: pad_limit), and short rows pad up to 16
-    tokens; mixed steps are rarer (handoffs) and get the coarse row and token ladders.
+    steps with a long row cost their T matmuls plus [B, Q] x [B, MP*S] attention, so a
+    mixed step's Q is what its rows need, not T (measured on the tiny model, 64 rows: Q = T
+    = 256 took 515 ms, Q = 16 15 ms, a decode step of 64 rows 4.3 ms).
     Greedy and sampled rows share every variant (the step picks its sampler at run time).
-    Sizes: configs/tiny.toml 22; configs/pddjax.toml P and MD 90, RLD 74."""
+    Sizes: configs/tiny.toml 22; configs/pddjax.toml P and MD 110, RLD 90."""
     t_max, b_max = pow2_at_least(config.max_step_tokens), pow2_at_least(config.max_rows)
     w_max = max_width(config, model_config)
     widths = ladder(min(4 * MIN_WIDTH, w_max), w_max, 2)
     decode = [(b, b, w, 1) for b in ladder(1, b_max, 2) for w in ladder(MIN_WIDTH, w_max, 2)]
     chunk = [] if t_max < 2 else [(t, 1, w, t) for t in ladder(min(MIN_CHUNK, t_max), t_max, 2) for w in widths]
-    mixed = [] if t_max < 2 or b_max < 2 else [
-        (t, b, w, t) for t in ladder(min(MIN_CHUNK, t_max), t_max, 4) for b in ladder(min(4, b_max), b_max, 4)
-        if b <= t for w in widths]
+    if t_max < 2 or b_max < 2:
+        mixed = []
+    elif config.pad_limit > 0:
+        mixed = [(b * q, b, w, q) for b in ladder(2, b_max, 2) for q in ladder(MIN_CHUNK, t_max, 2)
+                 if b * q <= t_max for w in widths]
+    else:
+        mixed = [(t, b, w, t) for t in ladder(min(MIN_CHUNK, t_max), t_max, 4)
+                 for b in ladder(min(4, b_max), b_max, 4) if b <= t for w in widths]
     return sorted(set(decode + chunk + mixed), key=lambda s: step_cost(s, config.page_size))
 
 

@@ -21,11 +21,16 @@ class EngineConfig:
     max_step_tokens: int = 256  # token budget of one step (prefill chunks fill what is left)
     max_rows: int = 32
     prefix_cache: bool = True
-    # A step pads every row to its longest (attention runs over [B, Q] x [B, MP*S]). Prompt
-    # rows (several tokens each) join a step only while B x Q stays within pad_limit x T (all
-    # bucketed); a longer one waits for the next step. Rows of one token (decode) and the
-    # extend chunks that join them are not limited (tail chunks ride with decodes). 0 = off.
+    # A step pads every row to its longest (attention runs over [B, Q] x [B, MP*S]). A row joins
+    # a step of several rows with a multi-token row in it only while B x Q of the member the
+    # step would take stays within pad_limit x the step's own tokens, pad_limit x
+    # buckets.MIXED_PAD (4) when decode rows are in it (`buckets.pads_past`); else it waits for
+    # the next step, where multi-token rows go first (`buckets.step_order`). Steps of one-token
+    # rows only are never limited. 0 = off (and the coarse Q = T mixed members, `bucket_set`).
     pad_limit: float = 1.5
+    # Devices of one engine (tensor parallelism over a "model" mesh axis: pddjax/engines/mesh.py);
+    # a model admits N when `degree_problem` says nothing. On CPU N fake devices are made (tests).
+    tensor_parallel: int = 1
 
     def check(self) -> str | None:
         """One sentence on what is wrong with these values, or None."""
@@ -33,7 +38,7 @@ class EngineConfig:
             return f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
         if self.attention not in ATTENTION:
             return f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}"
-        for name in ("page_size", "num_pages", "max_step_tokens", "max_rows"):
+        for name in ("page_size", "num_pages", "max_step_tokens", "max_rows", "tensor_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 return f"{name} must be a positive integer, got {value!r}"
@@ -44,3 +49,25 @@ class EngineConfig:
         if not isinstance(self.pad_limit, int | float) or self.pad_limit < 0:
             return f"pad_limit must be a number >= 0, got {self.pad_limit!r}"
         return None
+
+
+def degree_problem(degree: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """One sentence if a model with these heads does not admit tensor-parallel `degree`, or None.
+
+    The rule: query heads divisible by N, and either KV heads divisible by N (the KV pool and
+    the k/v projections split over KV heads) or N a multiple of the KV heads (KV replicated on
+    every device: each device's query heads then share one KV head). SmolLM2-135M (9 query, 3 KV
+    heads) admits 1, 3 (split) and 9 (replicated); tiny (4 / 2) admits 1, 2 and 4."""
+    if num_heads % degree:
+        return (f"tensor_parallel = {degree} does not divide the model's {num_heads} query heads "
+                f"(admitted: {', '.join(map(str, admitted_degrees(num_heads, num_kv_heads)))})")
+    if num_kv_heads % degree and degree % num_kv_heads:
+        return (f"tensor_parallel = {degree} neither divides nor is a multiple of the model's {num_kv_heads} KV heads "
+                f"(admitted: {', '.join(map(str, admitted_degrees(num_heads, num_kv_heads)))})")
+    return None
+
+
+def admitted_degrees(num_heads: int, num_kv_heads: int) -> list[int]:
+    """Every tensor-parallel degree `degree_problem` accepts for these heads."""
+    return [n for n in range(1, num_heads + 1)
+            if num_heads % n == 0 and (num_kv_heads % n == 0 or n % num_kv_heads == 0)]

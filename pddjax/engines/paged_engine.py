@@ -13,6 +13,14 @@ A request's life on an engine:
                    to a shape outside it (`precompile()` builds them all up front);
   export_kv()      read tokens' KV out in the canonical form (P -> RLD/MD);
   release()        insert the computed context into the prefix cache, drop the page refs.
+
+Tensor parallel (`EngineConfig.tensor_parallel` = N > 1): `self.layout` (engines/mesh.py) is a
+mesh over N local devices; the weights and the pool live sharded on it (the pool over KV
+heads, or replicated when the model has fewer KV heads than N) and every step runs the one
+sharded executable of its shape. Callers see the same API; KV export gathers the shards.
+
+Multi-host (`ops`, engines/multihost.py): the leader's engine tells its `ops` of each device call
+(step, KV import, KV export) just before making it; the other processes make the same call.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ import numpy as np
 
 from pddjax.engines import buckets
 from pddjax.engines.engine_config import EngineConfig
+from pddjax.engines.mesh import EngineMesh
 from pddjax.engines.sequence import Sequence
 from pddjax.engines.step import run_step
 from pddjax.kv.allocator import NULL_PAGE, OutOfPages, PageAllocator
-from pddjax.kv.canonical import KVImportError, KVRun, export_run, import_run
+from pddjax.kv.canonical import KVImportError, KVRun, export_run, export_shards, from_token, import_run, span
 from pddjax.kv.page_hash import chain_hashes
 from pddjax.kv.page_table import SequencePages, pages_needed
 from pddjax.kv.pool import KVPool
@@ -49,21 +58,27 @@ class TokenEvent:
 
 class PagedEngine:
     def __init__(self, cfg: ModelConfig, weights: wmod.Weights, fingerprint: str,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, ops=None):
+        # ops: a multi-host instance's leader (engines/multihost.Leader) hears of each device call first
         config = config or EngineConfig()
         if config.attention == "auto":
             config = dataclasses.replace(config, attention=default_impl())
         if config.attention not in IMPLS:
             raise ValueError(f"unknown attention {config.attention!r}; expected one of {IMPLS} or 'auto'")
-        self.cfg, self.config, self.fingerprint = cfg, config, fingerprint
-        self.weights = wmod.cast(weights, jnp.dtype(config.dtype))
-        self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, config.num_pages, config.page_size,
-                                 cfg.head_dim, jnp.dtype(config.dtype))
+        tp = config.tensor_parallel
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel must be a positive integer, got {tp!r}")
+        self.cfg, self.config, self.fingerprint, self.ops = cfg, config, fingerprint, ops
+        self.layout = EngineMesh.build(cfg, config.tensor_parallel)  # ValueError: degree not admitted / no devices
+        self.weights = self.layout.put_weights(wmod.cast(weights, jnp.dtype(config.dtype)))
+        self.pool = self.layout.put_pool(KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, config.num_pages,
+                                                      config.page_size, cfg.head_dim, jnp.dtype(config.dtype)))
         self.allocator = PageAllocator(config.num_pages)
         self.radix = RadixCache(config.page_size, self.allocator)
         self.seqs: dict[str, Sequence] = {}
         self.shapes = buckets.bucket_set(config, cfg)  # every (T, B, MP, Q) a step may have
         self.num_steps = 0
+        self._multi_first = False  # the last step left a multi-token row out: those go first (buckets.step_order)
         self.last_shape: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # (T, B, MP, Q, rows) of the last step
 
     # ---- queries (no mutation) -------------------------------------------------------
@@ -140,20 +155,23 @@ class PagedEngine:
             self.radix.evict(n - self.allocator.num_free)
         return self.allocator.allocate(n)
 
-    def import_kv(self, seq_id: str, run: KVRun) -> None:
-        """Write KV computed elsewhere; tokens this sequence already has are skipped."""
+    def import_kv(self, seq_id: str, run: KVRun | list[KVRun]) -> None:
+        """Write KV computed elsewhere (one run, or the head pieces of one token range from a
+        tensor-parallel sender); tokens this sequence already has are skipped."""
         seq = self.seqs[seq_id]
         have = seq.pages.num_tokens
-        if run.start > have:
-            raise KVImportError(f"KV for {seq_id} starts at token {run.start} but only {have} are present")
-        if run.end > seq.num_tokens:
-            raise KVImportError(f"KV for {seq_id} runs to token {run.end} past its {seq.num_tokens} known tokens")
-        if run.end <= have:
+        start, end = span(run)
+        if start > have:
+            raise KVImportError(f"KV for {seq_id} starts at token {start} but only {have} are present")
+        if end > seq.num_tokens:
+            raise KVImportError(f"KV for {seq_id} runs to token {end} past its {seq.num_tokens} known tokens")
+        if end <= have:
             return
-        skip = have - run.start
-        tail = dataclasses.replace(run, start=have, k=run.k[:, skip:], v=run.v[:, skip:])
-        self.pool = import_run(self.pool, tail, seq.pages.pages, self.fingerprint)
-        seq.pages.num_tokens = run.end
+        tail = from_token(run, have)
+        if self.ops is not None:
+            self.ops.import_kv(tail, seq.pages.pages)
+        self.pool = self.layout.put_pool(import_run(self.pool, tail, seq.pages.pages, self.fingerprint))
+        seq.pages.num_tokens = end
 
     def append_tokens(self, seq_id: str, start_pos: int, tokens: list[int]) -> None:
         """Output tokens produced elsewhere (RLD -> MD handoff), at output positions start_pos..."""
@@ -169,13 +187,15 @@ class PagedEngine:
         rows, budget, S = [], self.config.max_step_tokens, self.config.page_size
         self.step_rows = None  # set once the rows are chosen: what a failing step fails
         packed = width = q = 0  # the step so far: packed tokens, widest page table, longest row
-        for seq in sorted((s for s in self.seqs.values() if s.num_pending), key=lambda s: s.num_pending):
+        multi_first, self._multi_first = self._multi_first, False
+        for seq in buckets.step_order([s for s in self.seqs.values() if s.num_pending], multi_first):
             if len(rows) == self.config.max_rows or budget == 0:
                 break
             start = seq.pages.num_tokens
             n = buckets.fit_row(self.shapes, packed, len(rows), width, q, start, min(seq.num_pending, budget), S)
-            if n == 0 or (rows and n > 1 and self._pads_past(rows, packed + n, max(width, pages_needed(start + n, S)),
-                                                               max(q, n))):
+            if n == 0 or (rows and self._pads_past(rows, packed + n, max(width, pages_needed(start + n, S)),
+                                                   max(q, n), n)):
+                self._multi_first = not multi_first and seq.num_pending > 1  # it goes first next step
                 break
             rows.append((seq, n))
             budget, packed, q = budget - n, packed + n, max(q, n)
@@ -187,9 +207,11 @@ class PagedEngine:
         batch, sample_rows, greedy = self._build(rows, shape)
         sp = self._sampling_arrays(rows, shape[1])
         self.last_shape = (*shape, len(rows))
+        if self.ops is not None:
+            self.ops.step(batch, sp, max_q_len=shape[3], greedy=greedy, return_logits=return_logits)
         tokens, logits, self.pool = run_step(
             self.weights, self.cfg, batch, self.pool, *sp, max_q_len=shape[3],
-            impl=self.config.attention, greedy=greedy, return_logits=return_logits)
+            impl=self.config.attention, greedy=greedy, return_logits=return_logits, layout=self.layout)
         self.num_steps += 1
         tokens = np.asarray(tokens)
         events, row_logits = [], {}
@@ -206,14 +228,12 @@ class PagedEngine:
                 self.release(seq.seq_id)
         return (events, row_logits) if return_logits else events
 
-    def _pads_past(self, rows, tokens: int, width: int, q: int) -> bool:
-        """Would one more prompt row pad a step of prompt rows past pad_limit? The padded query
-        block B x Q of the member the step would take against pad_limit x T (EngineConfig).
-        Steps with a decode row (tail chunks ride with decodes) are never limited."""
-        if self.config.pad_limit <= 0 or min(n for _, n in rows) == 1:
-            return False
-        T, B, _, Q = buckets.fit(self.shapes, tokens, len(rows) + 1, width, q)
-        return B * Q > self.config.pad_limit * T
+    def _pads_past(self, rows, tokens: int, width: int, q: int, n: int) -> bool:
+        """Would one more row (of n tokens) pad the step's query block past pad_limit
+        (EngineConfig)? `buckets.pads_past`: B x Q of the member the step would take against
+        pad_limit x its tokens, MIXED_PAD (4) times that with decode rows in it (buckets.pads_past)."""
+        decode_rows = n == 1 or min(k for _, k in rows) == 1
+        return buckets.pads_past(self.shapes, self.config.pad_limit, len(rows) + 1, tokens, width, q, decode_rows)
 
     def _build(self, rows, shape: buckets.Shape):
         S = self.config.page_size
@@ -266,7 +286,20 @@ class PagedEngine:
         end = seq.pages.num_tokens if end is None else end
         if not 0 <= start <= end <= seq.pages.num_tokens:
             raise ValueError(f"cannot export tokens [{start}, {end}) of {seq_id}: {seq.pages.num_tokens} computed")
+        if self.ops is not None:
+            self.ops.export_kv(seq.pages.pages, start, end)
         return export_run(self.pool, seq.pages.pages, start, end, self.fingerprint)
+
+    def export_kv_shards(self, seq_id: str, start: int = 0, end: int | None = None) -> list[KVRun]:
+        """As export_kv, one piece per distinct KV head range of the pool's shards (each read
+        from its own device; a replicated pool gives one piece of all heads): what P sends."""
+        seq = self.seqs[seq_id]
+        end = seq.pages.num_tokens if end is None else end
+        if not 0 <= start <= end <= seq.pages.num_tokens:
+            raise ValueError(f"cannot export tokens [{start}, {end}) of {seq_id}: {seq.pages.num_tokens} computed")
+        if self.ops is not None:
+            self.ops.export_kv(seq.pages.pages, start, end)
+        return export_shards(self.pool, seq.pages.pages, start, end, self.fingerprint)
 
     def cache_prefix(self, seq_id: str) -> None:
         """Insert a live sequence's computed full pages into the prefix cache (if on) now; the

@@ -5,6 +5,8 @@ every member of the engine's stated step shape set (`buckets.bucket_set`) and ru
 gather / scatter once per token bucket a sequence can need (their jitted variants), so that
 from the moment a service reports SERVING nothing compiles: `pddjax_jit_compiles_after_ready`
 stays 0 (serving/engine/worker.py). The step executable LRU is raised to hold the whole set.
+A tensor-parallel engine builds the same set, each member its sharded executable
+(`engine.layout`), and the KV copies on its sharded pool.
 """
 
 from __future__ import annotations
@@ -52,11 +54,11 @@ def precompile(engine) -> tuple[int, float]:
     for shape in engine.shapes:
         batch, sampling = dummy_batch(shape)
         step.build_step(engine.weights, engine.cfg, batch, engine.pool, sampling, max_q_len=shape[3],
-                        impl=engine.config.attention)
+                        impl=engine.config.attention, layout=engine.layout)
     step.release_tracing_caches()  # (this drops jitted functions' caches too: the KV copies come after)
     S = engine.config.page_size
     for n in kv_buckets(engine):
         pages = [NULL_PAGE] * (-(-n // S))
         run = export_run(engine.pool, pages, 0, n, engine.fingerprint)  # k, v: [L, n, K, D] of page 0
-        engine.pool = import_run(engine.pool, run, pages, engine.fingerprint)  # (casts on the host)
+        engine.pool = engine.layout.put_pool(import_run(engine.pool, run, pages, engine.fingerprint))  # (host casts)
     return len(engine.shapes) + 2 * len(kv_buckets(engine)), time.perf_counter() - t0

@@ -18,6 +18,12 @@ and `malloc_trim` hands the freed heap back (measured on the tiny model, 140 bui
 ~60 distinct shapes at a cap of 8: RSS 440 -> 603 MB and rising without, flat ~290 with). `compile_count()` counts
 variants built in this process (tests assert a steady workload adds none),
 `resident_count()` those held now.
+
+Tensor parallel (`layout`, an `engines.mesh.EngineMesh` of degree > 1): the same `_step`,
+jitted with explicit in / out shardings (weights by their logical axes, the pool by KV heads
+or replicated, batch and sampling arrays replicated; tokens, logits and the pool out the same
+way, the pool donated) and the mesh as a static, so the logits are gathered (replicated)
+before sampling and every device draws the same token. At degree 1 nothing changes.
 """
 
 from __future__ import annotations
@@ -38,17 +44,54 @@ DEFAULT_EXECUTABLES = 128
 TRIM_EVERY = 8  # evictions between clearing JAX's internal caches
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q_len", "impl", "return_logits"),
-                   donate_argnames=("pool",))
+STATICS = ("cfg", "max_q_len", "impl", "return_logits")
+
+
 def _step(w, batch: PackedBatch, pool, seeds, steps, temperature, top_k, top_p, greedy, *,
-          cfg, max_q_len: int, impl: str, return_logits: bool = False):
+          cfg, max_q_len: int, impl: str, return_logits: bool = False, mesh=None, kv_sharded: bool = True):
     # seeds, steps, top_k: [B] int32; temperature, top_p: [B] float32; greedy: [] bool
     # -> tokens [B] int32, logits [B, V] or None, pool
-    logits, pool = forward_paged(w, cfg, batch, pool, max_q_len=max_q_len, impl=impl)  # [B, V]
+    logits, pool = forward_paged(w, cfg, batch, pool, max_q_len=max_q_len, impl=impl, mesh=mesh,
+                                 kv_sharded=kv_sharded)  # [B, V]
+    if mesh is not None:  # sampling on replicated logits: every device draws the same token
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))
     sp = (seeds, steps, temperature, top_k, top_p)
     tokens = jax.lax.cond(greedy, lambda lg, sp: sample(lg, *sp, greedy_only=True),
                           lambda lg, sp: sample(lg, *sp), logits, sp)  # [B]
     return tokens, (logits if return_logits else None), pool
+
+
+_single = jax.jit(_step, static_argnames=STATICS, donate_argnames=("pool",))
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded(layout, w_tree, statics: tuple):
+    """`_step` jitted for one mesh layout, weights tree and statics, shardings stated in and out
+    (jit takes no keyword arguments with in_shardings: the statics are bound first)."""
+    rep, pool = layout.replicated, layout.pool_sharding
+    w_shardings = layout.weight_shardings(jax.tree_util.tree_unflatten(w_tree, [0] * w_tree.num_leaves))
+    kw = dict(statics)
+    return jax.jit(functools.partial(_step, **kw), donate_argnums=(2,),
+                   in_shardings=(w_shardings, rep, pool, rep, rep, rep, rep, rep, rep),
+                   out_shardings=(rep, rep if kw["return_logits"] else None, pool))
+
+
+class _Bound:
+    """A sharded step for `Executables.build`: `.lower(*args, **statics)` like `_single`'s."""
+
+    def __init__(self, layout, args):
+        self.layout, self.w_tree = layout, jax.tree_util.tree_structure(args[0])
+
+    def lower(self, *args, **statics):
+        return _sharded(self.layout, self.w_tree, tuple(sorted(statics.items()))).lower(*args)
+
+
+def _jitted(args: tuple, statics: dict, layout):
+    if layout is None or layout.mesh is None:
+        return _single
+    return _Bound(layout, args)
 
 
 class Executables:
@@ -62,10 +105,10 @@ class Executables:
         self.evicted = 0
         self.resize(capacity)
 
-    def __call__(self, args: tuple, statics: dict):
-        return self.build(args, statics)(*args)
+    def __call__(self, args: tuple, statics: dict, layout=None):
+        return self.build(args, statics, layout)(*args)
 
-    def build(self, args: tuple, statics: dict):
+    def build(self, args: tuple, statics: dict, layout=None):
         """The executable for these arguments' shapes and statics: held, or compiled now (from
         the persistent cache on disk when it has it). Nothing runs."""
         leaves, tree = jax.tree_util.tree_flatten(args)
@@ -76,7 +119,7 @@ class Executables:
             if fn is not None:
                 self._lru.move_to_end(key)
         if fn is None:
-            fn = _step.lower(*args, **statics).compile()
+            fn = _jitted(args, statics, layout).lower(*args, **statics).compile()
             with self._lock:
                 self.built += 1
                 self._lru[key] = fn
@@ -123,23 +166,29 @@ def _release_jax_caches() -> None:
 _executables = Executables(int(os.environ.get("PDDJAX_STEP_EXECUTABLES", DEFAULT_EXECUTABLES)))
 
 
-def _arguments(w, cfg, batch, pool, sampling, greedy, max_q_len, impl, return_logits):
+def _arguments(w, cfg, batch, pool, sampling, greedy, max_q_len, impl, return_logits, layout):
     args = (w, batch, pool, *sampling, jnp.asarray(bool(greedy)))
-    return args, {"cfg": cfg, "max_q_len": max_q_len, "impl": impl, "return_logits": return_logits}
+    statics = {"cfg": cfg, "max_q_len": max_q_len, "impl": impl, "return_logits": return_logits}
+    if layout is not None and layout.mesh is not None:
+        statics.update(mesh=layout.mesh, kv_sharded=layout.kv_sharded)
+        args = (w, layout.put_replicated(batch), pool, *layout.put_replicated(args[3:]))
+    return args, statics
 
 
 def run_step(w, cfg, batch: PackedBatch, pool, seeds, steps, temperature, top_k, top_p, *,
-             max_q_len: int, impl: str, greedy: bool, return_logits: bool = False):
-    """-> (tokens [B] int32, logits [B, V] or None, pool). `pool` is donated: use the one returned."""
+             max_q_len: int, impl: str, greedy: bool, return_logits: bool = False, layout=None):
+    """-> (tokens [B] int32, logits [B, V] or None, pool). `pool` is donated: use the one returned.
+    `layout`: the engine's `EngineMesh` (None or degree 1: one device)."""
     args, statics = _arguments(w, cfg, batch, pool, (seeds, steps, temperature, top_k, top_p), greedy,
-                               max_q_len, impl, return_logits)
-    return _executables(args, statics)
+                               max_q_len, impl, return_logits, layout)
+    return _executables(args, statics, layout)
 
 
-def build_step(w, cfg, batch: PackedBatch, pool, sampling: tuple, *, max_q_len: int, impl: str) -> None:
-    """Compile (or load) the serving variant of these shapes without running it."""
-    args, statics = _arguments(w, cfg, batch, pool, sampling, False, max_q_len, impl, False)
-    _executables.build(args, statics)
+def build_step(w, cfg, batch: PackedBatch, pool, sampling: tuple, *, max_q_len: int, impl: str, layout=None):
+    """Compile (or load) the serving variant of these shapes without running it -> the executable
+    (a `jax.stages.Compiled`: `.as_text()` is its HLO)."""
+    args, statics = _arguments(w, cfg, batch, pool, sampling, False, max_q_len, impl, False, layout)
+    return _executables.build(args, statics, layout)
 
 
 def release_tracing_caches() -> None:

@@ -1,23 +1,30 @@
 """What the OpenAI gateway adds: N concurrent streams straight to the router's gRPC Generate,
-and the same through the gateway (the official `openai` client, streamed completions with
-token-id prompts, over httpx), on one `pddjax up` stack of the tiny model; TTFT p50 and ITL p50 of each
-side and their ratio (issue 21's target: the gateway adds at most 10%).
+and the same through the gateway (streamed completions with token-id prompts), on one `pddjax
+up` stack of the tiny model; TTFT p50 and ITL p50 of each side and their ratio (issue 21's
+target: the gateway adds at most 10%).
 
-  python -m serving.bench.openai_overhead [--streams 64] [--rounds 2] [--json F]
+  python -m serving.bench.openai_overhead [--streams 64] [--rounds 2] [--json F] [--state F]
 
-A load benchmark, not a test: it prints figures. Rounds alternate direct / gateway so drift
-(other work on the machine) hits both; every run has prompts of its own (no prefix-cache help
-for whichever goes second); a warm-up round sends the same prompts both ways first and checks
-the tokens are identical. TTFT = send -> first token-carrying message; ITL = gaps between
-token-carrying messages, a message of k tokens counting k gaps of gap/k (as `bench serve`); TPOT
-= a stream's mean gap (chunks that reach the client together make near-zero ITL gaps).
-Also: the gateway's CPU seconds per run (from /proc).
+A load benchmark, not a test: it prints figures. One client process measures both sides, each
+the way its clients would run: direct = one grpc.aio channel with the N streams on it; gateway
+= N HTTP/1.1 keep-alive connections from one aiohttp session (`connections`), opened by the
+warm-up round, so neither side pays a connection setup in a timed round (the gateway side's
+count of new connections per round is printed: 0 means none). Rounds alternate direct /
+gateway so drift (other work on the machine) hits both; every run has prompts of its own (no
+prefix-cache help for whichever goes second); the warm-up round sends the same prompts both
+ways first and checks the tokens are identical. TTFT = request sent (before the client's
+call) -> first token-carrying message parsed; ITL = gaps between token-carrying messages, a
+message of k tokens counting k gaps of gap/k (as `bench serve`); TPOT = a stream's mean gap
+(chunks that reach the client together make near-zero ITL gaps). Both include the client's
+own parse (protobuf vs JSON) and, via the gateway, everything the gateway does plus its hop.
+Also per round: the gateway's CPU seconds (from /proc) and this process's CPU per side.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -89,19 +96,21 @@ async def direct(stub, ps, max_tokens: int, pipeline: str) -> list[Timed]:
     return await asyncio.gather(*(one(p) for p in ps))
 
 
-async def gateway(client, ps, max_tokens: int, pipeline: str) -> list[Timed]:
-    """Streamed completions over plain httpx (one JSON parse per event, like protobuf's one parse
-    per message on the direct side): the official `openai` client's per-chunk pydantic models
-    would put the client's own cost into the gateway's figures (tests/test_openai_api.py uses it)."""
+async def gateway(session, url: str, ps, max_tokens: int, pipeline: str, model: str = "tiny") -> list[Timed]:
+    """Streamed completions over plain aiohttp (one JSON parse per event, like protobuf's one
+    parse per message on the direct side): the official `openai` client's per-chunk pydantic
+    models would put the client's own cost into the gateway's figures (tests/test_openai_api.py
+    uses it). See `connections` for why aiohttp and not httpx."""
 
     async def one(p):
         t = Timed()
-        body = {"model": "tiny", "prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        body = {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True, "return_token_ids": True, "pipeline": pipeline}
-        async with client.stream("POST", "/completions", json=body) as r:
+        async with session.post(url + "/completions", json=body) as r:
             r.raise_for_status()
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
+            async for raw in r.content:  # one line at a time
+                line = raw.rstrip(b"\r\n")
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
                     chunk = json.loads(line[6:])
                     t.got(chunk["choices"][0].get("token_ids") if chunk.get("choices") else None)
                     if chunk.get("choices") and chunk["choices"][0].get("finish_reason"):
@@ -112,29 +121,64 @@ async def gateway(client, ps, max_tokens: int, pipeline: str) -> list[Timed]:
     return await asyncio.gather(*(one(p) for p in ps))
 
 
+@contextlib.asynccontextmanager
+async def connections(n: int, api_key: str | None = None):
+    """-> (an aiohttp session that holds up to n keep-alive connections, a counter of the TCP
+    connections it opened). The warm-up round opens them, so a timed round reuses them as n
+    agents' clients would (the counter shows whether it had to open any).
+
+    Why not httpx: httpcore 1.0's pool hands a burst of concurrent requests the same idle
+    connection, and all but one then retry (ConnectionNotAvailable) one after another, so 64
+    requests left this process over ~1-3 s, which counted as TTFT (issue 21's first figures:
+    the send -> socket write wait was 0.8-1.7 s p50). One httpx client per stream fixes that but
+    httpx's per-chunk cost (anyio, httpcore, h11) was then ~0.35-0.45 s of this process's CPU per
+    round against gRPC's ~0.2-0.3: on a 2-core machine the client's own CPU slowed the stack
+    under the gateway side only. aiohttp's C parser costs ~0.15-0.2 s, as much as the gRPC side."""
+    import aiohttp
+
+    opened = {"tcp": 0}
+
+    async def counted(session, ctx, params) -> None:
+        opened["tcp"] += 1
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_start.append(counted)
+    # idle connections close on this side first (the gateway keeps them 75 s: server.KEEPALIVE_S),
+    # so a timed round never reuses one the server is closing
+    connector = aiohttp.TCPConnector(limit=n, limit_per_host=n, keepalive_timeout=60)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(connector=connector, trace_configs=[trace], headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        yield session, opened
+
+
 async def measure(router: str, url: str, gw_pid: int, n: int, L: int, m: int, rounds: int, pipeline: str):
-    """-> ({"direct": [runs], "gateway": [runs]}, the gateway's CPU s per round). One gRPC channel
-    and one HTTP connection pool for the whole measurement (clients keep theirs)."""
+    """-> ({"direct": [runs], "gateway": [runs]}, costs: the gateway's CPU s, this client's CPU s
+    per side and the TCP connections the gateway side opened, per round). One gRPC channel
+    (n streams on it, as a gRPC client does) and n HTTP/1.1 connections (one per stream, as n
+    HTTP clients would hold; opened by the warm-up round) for the whole measurement."""
     import grpc
-    import httpx
 
     from serving.pb import router_pb2_grpc
 
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-    async with grpc.aio.insecure_channel(router) as ch, httpx.AsyncClient(base_url=url, timeout=600,
-                                                                           limits=limits) as client:
+    async with grpc.aio.insecure_channel(router) as ch, connections(n) as (session, opened):
         stub = router_pb2_grpc.RouterStub(ch)
         warm = prompts(n, L, 0)
-        a, b = await direct(stub, warm, m, pipeline), await gateway(client, warm, m, pipeline)
+        a, b = await direct(stub, warm, m, pipeline), await gateway(session, url, warm, m, pipeline)
         assert [t.tokens for t in a] == [t.tokens for t in b], "the gateway's tokens differ from the router's"
         side: dict[str, list] = {"direct": [], "gateway": []}
-        gw_cpu = []
+        costs: dict[str, list] = {"gateway_cpu_s": [], "client_cpu_s_direct": [], "client_cpu_s_gateway": [],
+                                  "new_connections": []}
         for r in range(rounds):
+            c0 = time.process_time()
             side["direct"].append(await direct(stub, prompts(n, L, 1 + 2 * r), m, pipeline))
-            c0 = cpu_s(gw_pid)
-            side["gateway"].append(await gateway(client, prompts(n, L, 2 + 2 * r), m, pipeline))
-            gw_cpu.append(round(cpu_s(gw_pid) - c0, 2))
-    return side, gw_cpu
+            c1, g0, tcp0 = time.process_time(), cpu_s(gw_pid), opened["tcp"]
+            side["gateway"].append(await gateway(session, url, prompts(n, L, 2 + 2 * r), m, pipeline))
+            costs["gateway_cpu_s"].append(round(cpu_s(gw_pid) - g0, 2))
+            costs["client_cpu_s_direct"].append(round(c1 - c0, 2))
+            costs["client_cpu_s_gateway"].append(round(time.process_time() - c1, 2))
+            costs["new_connections"].append(opened["tcp"] - tcp0)
+    return side, costs
 
 
 def cpu_s(pid: int) -> float:
@@ -177,12 +221,12 @@ def main(argv=None) -> int:
     try:
         router, url, gw_pid = state["router"], state["openai"], state["openai_service"]["pid"]
         n, L, m = args.streams, args.prompt_tokens, args.max_tokens
-        side, gw_cpu = asyncio.run(measure(router, url, gw_pid, n, L, m, args.rounds, args.pipeline))
+        side, costs = asyncio.run(measure(router, url, gw_pid, n, L, m, args.rounds, args.pipeline))
         d, g = figures(side["direct"]), figures(side["gateway"])
         inside = [t.gateway_ttft - t.router_ttft for run in side["gateway"] for t in run]
         g["gateway_own_ttft_p50_ms"] = round(1e3 * statistics.median(inside), 2)  # its TTFT less the router's
         out = {"streams": n, "prompt_tokens": L, "max_tokens": m, "rounds": args.rounds, "pipeline": args.pipeline,
-               "direct": d, "gateway": g, "gateway_cpu_s_per_round": gw_cpu,
+               "direct": d, "gateway": g, "per_round": costs,
                "ttft_p50_ratio": round(g["ttft_p50_ms"] / d["ttft_p50_ms"], 3),
                "itl_p50_ratio": round(g["itl_p50_ms"] / d["itl_p50_ms"], 3),
                "tpot_p50_ratio": round(g["tpot_p50_ms"] / d["tpot_p50_ms"], 3), "loadavg": os.getloadavg()}
@@ -190,7 +234,10 @@ def main(argv=None) -> int:
               f"  direct gRPC : TTFT p50 {d['ttft_p50_ms']} ms, ITL p50 {d['itl_p50_ms']} ms, TPOT p50 "
               f"{d['tpot_p50_ms']} ms\n"
               f"  via gateway : TTFT p50 {g['ttft_p50_ms']} ms, ITL p50 {g['itl_p50_ms']} ms, TPOT p50 "
-              f"{g['tpot_p50_ms']} ms (gateway CPU {gw_cpu} s per round)\n"
+              f"{g['tpot_p50_ms']} ms\n"
+              f"  per round   : gateway CPU {costs['gateway_cpu_s']} s; this client's CPU direct "
+              f"{costs['client_cpu_s_direct']} s, via gateway {costs['client_cpu_s_gateway']} s; new HTTP "
+              f"connections {costs['new_connections']}\n"
               f"  ratio       : TTFT {out['ttft_p50_ratio']}, ITL {out['itl_p50_ratio']}, TPOT {out['tpot_p50_ratio']} "
               f"(target <= 1.10; load average {out['loadavg'][0]:.1f})\n"
               f"  TTFT outside the router (client TTFT - the router's own), p50: direct "

@@ -6,7 +6,8 @@ A request's life here:
   PushKV       chunks from P land in the pool as they arrive (P streams them while still
                prefilling); on the last one the known tokens (P's first token) are appended and
                decoding starts (RLD; MD in pd-cross). The KVReceiver (kv_receiver.py).
-  Decode       the stream of tokens this tier produces for the user, from `emit_from` on.
+  Decode       the stream of tokens this tier produces for the user, from `emit_from` on;
+               DecodeStream carries many requests' (the router's; decode_stream.py).
   Handoff      (RLD) hand token IDs to MD: one-shot, or chunk by chunk while more than the
                threshold is pending; RLD pauses, MD acknowledges, RLD's stream ends with
                handed_off_at = N and RLD releases the request. The Handoff (handoff.py).
@@ -44,6 +45,7 @@ import grpc
 from pddjax.kv.allocator import OutOfPages
 from pddjax.kv.page_table import pages_needed
 from serving import rpc
+from serving.engine import decode_stream
 from serving.engine.handoff import Handoff
 from serving.engine.info import match_prefix, service_info
 from serving.engine.kv_receiver import KVReceiver
@@ -203,6 +205,11 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         finally:
             slot.streams -= 1
             slot.touched = time.monotonic()
+
+    async def DecodeStream(self, request_iterator, context):
+        """Many requests' Decode streams on one (decode_stream.py): the router's per instance."""
+        async for msg in decode_stream.serve(decode_stream.Sink(self.slots, self.role), request_iterator):
+            yield msg
 
     async def Handoff(self, request, context):
         return await self.handoff.handoff(request, context)

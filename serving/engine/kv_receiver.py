@@ -7,6 +7,10 @@ A chunk for a request that is not reserved here is NOT_FOUND, or ABORTED after a
 KV in a compact wire format (bf16, int8, fp8, +zstd: the header's `kv_wire`) is decoded into
 this engine's pool dtype as it arrives (kvwire.Assembler); a format this receiver did not
 declare in its Info (`accepts`, ServiceInfo.kv_wire_formats) is INVALID_ARGUMENT.
+KV from a sender of another tensor-parallel degree arrives as each shard's head range
+(kvwire.Assembler holds a token block until every range of the sender's split is in, refuses
+heads missing or twice); the engine's import places each head on the devices of this pool
+that hold it (canonical.import_run), whatever this engine's own degree.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pddjax.kv.canonical import KVImportError
+from pddjax.kv.canonical import KVImportError, degree, head_ranges, span
 from serving.kvwire import ACCEPTED, Assembler, WireError
 from serving.pb import cluster_pb2
 
@@ -36,6 +40,9 @@ class KVReceiver:
         self.role, self.fingerprint, self.worker, self.slots = role, fingerprint, worker, slots
         self.vocab_size, self.accepts = vocab_size, tuple(accepts)
         self.dtype = worker.engine.config.dtype  # lossy formats decode straight into the pool's dtype
+        pool = worker.engine.pool
+        self.layout = f"{degree(pool)} device(s) holding KV heads {_ranges(head_ranges(pool))}"  # this pool's
+        self.senders_seen: set[tuple[int, tuple[int, ...]]] = set()  # (degree, head split) of senders logged
 
     async def push(self, request_iterator, context) -> cluster_pb2.PushKVResponse:
         """Chunks are read as they come; imports are coalesced: while one import waits for the
@@ -52,7 +59,7 @@ class KVReceiver:
                 if not ok:
                     raise self._gone(rid)  # released while its KV was on the way: dropped
             if pending is None and batch:
-                imported += sum(r.num_tokens for r in batch)
+                imported += sum(span(r)[1] - span(r)[0] for r in batch)
                 pending, batch = asyncio.ensure_future(self.worker.call(self._import_all, rid, batch)), []
                 pending.add_done_callback(_observed)  # an error after the stream broke is not "never retrieved"
         try:
@@ -62,6 +69,8 @@ class KVReceiver:
                 if rid not in self.slots:
                     raise self._gone(rid)
                 run = asm.feed(chunk)
+                if chunk.seq == 0:
+                    self._log_sender(asm.header)
                 if run is not None:
                     batch.append(run)
                 await settle(wait=False)
@@ -83,6 +92,16 @@ class KVReceiver:
             await context.abort(getattr(grpc.StatusCode, code), str(e))
         await context.abort(grpc.StatusCode.DATA_LOSS, f"KV stream for {rid} ended before its last chunk")
 
+    def _log_sender(self, h: cluster_pb2.KVHeader) -> None:
+        """One line per sender layout (degree, head split) this service first receives KV from
+        (at most 16: the header is the sender's word)."""
+        key = (h.tensor_parallel or 1, tuple(h.head_bounds) or (0, h.num_kv_heads))
+        if key not in self.senders_seen and len(self.senders_seen) < 16:
+            self.senders_seen.add(key)
+            split = list(zip(key[1], key[1][1:]))
+            print(f"pddjax {self.role}: KV from a tensor_parallel {key[0]} sender (heads {_ranges(split)} per "
+                  f"chunk) placed on {self.layout}", flush=True)
+
     def _gone(self, rid) -> WireError:
         """A chunk for a request that is not (or no longer) here: late after a cancel, or unknown."""
         if self.slots.was_cancelled(rid):
@@ -90,7 +109,8 @@ class KVReceiver:
         return WireError("NOT_FOUND", f"request {rid} is not reserved on {self.role}")
 
     def _import_all(self, e, rid, runs) -> bool:
-        """Engine thread: write KV pieces (in order) if the request is still open here (else drop them)."""
+        """Engine thread: write KV pieces (in order; each a run or one token block's head pieces from
+        a tensor-parallel sender) if the request is still open here (else drop them)."""
         slot = self.slots.get(rid)
         if slot is None or slot.closed or rid not in e.seqs:
             return False
@@ -112,6 +132,10 @@ class KVReceiver:
             self.worker.post(slot.decoding.set)
             self.slots.emit_held(slot)
         return True
+
+
+def _ranges(ranges) -> str:
+    return " ".join(f"[{a}, {b})" for a, b in ranges)
 
 
 def _observed(task: asyncio.Future) -> None:

@@ -160,7 +160,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         seq = e.seqs[rid]
         upto = min(seq.pages.num_tokens, st.n)
         if upto > st.sent and st.queues:
-            run = e.export_kv(rid, st.sent, upto)
+            run = e.export_kv_shards(rid, st.sent, upto)  # each KV head range from its own device
             for q in st.queues:
                 self.worker.post(q.put_nowait, (run, first))
             st.sent = upto
@@ -185,7 +185,8 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         ch = self.channels.get(target.address) or rpc.channel(target.address)
         self.channels[target.address] = ch
         stub = cluster_pb2_grpc.DecodeStub(ch)
-        chunker = kvwire.Chunker(rid, start, end, chunk_bytes, target.kv_wire or "native", self.engine.config.page_size)
+        chunker = kvwire.Chunker(rid, start, end, chunk_bytes, target.kv_wire or "native", self.engine.config.page_size,
+                                 self.engine.config.tensor_parallel)  # a TP pool sends each shard's heads
         native = chunker.format.name == "native"  # raw copies; the others encode off the event loop
 
         clock = _PushClock()
@@ -295,7 +296,7 @@ class _PushClock:
 class _Progress:
     n: int  # prompt tokens
     sent: int  # prompt KV exported up to here
-    queues: list  # one asyncio.Queue of (KVRun, first token or None) per target
+    queues: list  # one asyncio.Queue of (KVRun head pieces, first token or None) per target
     first: asyncio.Future
 
 

@@ -40,6 +40,7 @@ class Slot:
     streams: int = 0  # open Decode streams (a stream keeps the lease)
     born: float = dataclasses.field(default_factory=time.monotonic)
     reported: bool = False  # logged once when it outlives LINGER_LEASES leases (diagnostics)
+    sink: object = None  # a DecodeStream subscribed to it (decode_stream.Sink): its items go there, not to `out`
 
 
 @dataclasses.dataclass
@@ -89,8 +90,9 @@ class SlotTable:
 
     # ---- engine-thread helpers --------------------------------------------------------------
     def put(self, slot: Slot, item) -> None:
-        """Engine thread: one message (TokenBatch | RpcFailure) to the slot's stream."""
-        self.worker.post(slot.out.put_nowait, item)
+        """Engine thread: one message (TokenBatch | RpcFailure) to the slot's stream (its Decode
+        stream's queue, or the DecodeStream subscribed to it)."""
+        self.worker.post(_deliver, slot, item)
 
     def close(self, slot: Slot, item, cache: bool = True) -> None:
         """Engine thread: last message of the stream, drop the sequence."""
@@ -125,3 +127,11 @@ class SlotTable:
         slot = self._slots.get(rid)
         if slot is not None:
             self.close(slot, RpcFailure(code, message), cache=False)
+
+
+def _deliver(slot: Slot, item) -> None:
+    """Event loop: an item of the slot's stream to whoever reads it now."""
+    if slot.sink is not None:
+        slot.sink.add(slot, item)
+    else:
+        slot.out.put_nowait(item)

@@ -280,6 +280,11 @@ class DecodeStub:
                 request_serializer=pddjax_dot_v1_dot_cluster__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=pddjax_dot_v1_dot_cluster__pb2.ProbeResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/pddjax.v1.Decode/DecodeStream',
+                request_serializer=pddjax_dot_v1_dot_cluster__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=pddjax_dot_v1_dot_cluster__pb2.DecodeStreamResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -342,6 +347,14 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStream(self, request_iterator, context):
+        """Many requests' Decode streams on one: the router's one stream per instance
+        (serving/engine/decode_stream.py, serving/router/decode_streams.py)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -389,6 +402,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=pddjax_dot_v1_dot_cluster__pb2.ProbeRequest.FromString,
                     response_serializer=pddjax_dot_v1_dot_cluster__pb2.ProbeResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=pddjax_dot_v1_dot_cluster__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=pddjax_dot_v1_dot_cluster__pb2.DecodeStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -634,6 +652,33 @@ class Decode:
             '/pddjax.v1.Decode/Probe',
             pddjax_dot_v1_dot_cluster__pb2.ProbeRequest.SerializeToString,
             pddjax_dot_v1_dot_cluster__pb2.ProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pddjax.v1.Decode/DecodeStream',
+            pddjax_dot_v1_dot_cluster__pb2.DecodeStreamRequest.SerializeToString,
+            pddjax_dot_v1_dot_cluster__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,6 +65,8 @@ class Instance:
     channel: object = None
     kv_channel: object = None  # to kv_address (the link probe), opened on first use
     name: str = ""  # what users see (explain, errors): "P0", "RLD1", "MD0"; never an address
+    stub: object = None  # (channel, its Prefill / Decode stub), made once (a stub builds a callable per method)
+    decode_stream: object = None  # RLD / MD: the DecodeStream every request's tokens come on (decode_streams.Mux)
 
 
 class Pool:
@@ -111,7 +113,11 @@ class Affinity:
 
 
 def stub(inst: Instance):
-    return (cluster_pb2_grpc.PrefillStub if inst.role == "prefill" else cluster_pb2_grpc.DecodeStub)(inst.channel)
+    """The instance's Prefill or Decode stub (cached with its channel)."""
+    if inst.stub is None or inst.stub[0] is not inst.channel:
+        make = cluster_pb2_grpc.PrefillStub if inst.role == "prefill" else cluster_pb2_grpc.DecodeStub
+        inst.stub = (inst.channel, make(inst.channel))
+    return inst.stub[1]
 
 
 def kv_stub(inst: Instance) -> cluster_pb2_grpc.DecodeStub:

@@ -121,9 +121,10 @@ class Request:
     prefill_tried: list[Instance] = dataclasses.field(default_factory=list)  # P instances that failed
     prefill_extra: list[Instance] = dataclasses.field(default_factory=list)  # the P instances that replaced them
     relay_lost: bool = False  # RLD's stream broke or its KV failed: MD took over (or tried); no RLD handoff
-    relay_pump: asyncio.Task | None = None  # forwards RLD's Decode stream into relay_out (pdd, pd-local)
+    relay_pump: object = None  # decode_streams.Subscription: RLD's tokens into relay_out (pdd, pd-local)
+    relay_released: bool = False  # RLD answered the Release sent when the stream moved to MD
     prefill_task: asyncio.Task | None = None  # P's events (transfer.Transfers._prefill)
-    tasks: list[asyncio.Task] = dataclasses.field(default_factory=list)  # cancelled when the request ends
+    tasks: list = dataclasses.field(default_factory=list)  # asyncio.Task | Subscription: cancelled when it ends
 
     # ---- the output (stream) ----
     out: asyncio.Queue = dataclasses.field(default_factory=_queue)  # (role, TokenBatch | Abort), both tiers

@@ -66,6 +66,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.admission = Admission(s.max_inflight, s.max_queue)  # bounded: RESOURCE_EXHAUSTED past it
         self.m = RouterMetrics(admission=self.admission)
         self.estimates = Estimates(s)
+        self.m.watch_links(self.estimates)  # pddjax_router_link_mbps / _latency_seconds per MD
         self.chooser = Chooser(self.pools, s, self.estimates, self.counters, self.m)
         self.transfers = Transfers(s, self.pools["prefill"], self.estimates, self.counters, self.m)
 
@@ -157,8 +158,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if r.relay_pump is not None:
             r.relay_pump.cancel()
         if r.relay is not None:
-            release = cluster_pb2.ReleaseRequest(request_id=r.rid, cancel=True)
-            self._spawn(_quietly(pools.stub(r.relay).Release(release)))
+            self._spawn(_release_relay(r))
 
     def _settle(self, r: Request) -> None:
         """The user's stream is about to get its last message: this request's effects land first."""
@@ -194,9 +194,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         task.add_done_callback(self._bg.discard)
 
 
-async def _quietly(call) -> None:
-    """A best-effort RPC in the background (the request's final release retries it anyway)."""
+async def _release_relay(r: Request) -> None:
+    """RLD's release at the switch, in the background; once answered the request's final release
+    skips RLD (it retries it otherwise)."""
     try:
-        await call
+        await pools.stub(r.relay).Release(cluster_pb2.ReleaseRequest(request_id=r.rid, cancel=True))
+        r.relay_released = True
     except grpc.aio.AioRpcError:
         pass

@@ -1,8 +1,9 @@
 """The user's token stream: the tiers' Decode streams in, GenerateResponses out.
 
-  - `pump` forwards one tier's Decode stream into a queue (`Request.relay_out` / `main_out`);
-    a broken stream becomes an `Abort` there, or what its `on_error` makes of it (pdd's RLD:
-    MD taking over, `recovery.take_over`);
+  - the tiers' batches arrive in the request's queue (`Request.relay_out` / `main_out`) from
+    their instances' DecodeStreams (`decode_streams.Subscription`); a broken stream becomes an
+    `Abort` there, or what its `on_error` makes of it (pdd's RLD: MD taking over,
+    `recovery.take_over`);
   - `expire` puts the client's deadline into the queues (the stream fails DEADLINE_EXCEEDED
     even when no tier reports it);
   - `Output.messages` reads the relay queue, then (after a batch `handed_off`) the main one,
@@ -23,7 +24,7 @@ import grpc
 
 from serving.pb import cluster_pb2, common_pb2, router_pb2
 from serving.router.detok import IncrementalText
-from serving.router.request import PIPELINE_NAMES, Abort, Request, from_rpc
+from serving.router.request import PIPELINE_NAMES, Abort, Request
 
 if TYPE_CHECKING:
     from serving.router.metrics import RouterMetrics
@@ -44,20 +45,6 @@ def expire(*queues: asyncio.Queue) -> None:
 
 def _terminal(item) -> bool:
     return isinstance(item, Abort) or bool(item.finish_reason) or item.handed_off
-
-
-async def pump(call, q: asyncio.Queue, who: str, on_error=None) -> None:
-    """A tier's token stream into `q`; a failure becomes an Abort, or what `on_error(err, tokens
-    forwarded so far)` makes of it (pdd's RLD: MD taking over)."""
-    seen: list[int] = []
-    try:
-        async for batch in call:
-            q.put_nowait(batch)
-            seen += batch.token_ids
-    except grpc.aio.AioRpcError as e:
-        if e.code() != grpc.StatusCode.CANCELLED:
-            err = from_rpc(e, who)
-            q.put_nowait(await on_error(err, seen) if on_error else err)
 
 
 class Output:
@@ -161,6 +148,7 @@ class Output:
 
     def _switch(self) -> None:
         self.on_main, self.r.handoff_at = True, len(self.r.tokens)
+        self.timer.switch()  # the next batch's gap: pddjax_router_handoff_gap_seconds
         if self.on_switch is not None:
             self.on_switch()
 

@@ -3,8 +3,9 @@ estimates, the counters and the metrics):
 
   - `choose_wire`: the KV wire format of each target (the configured one if it declared it,
     else native; `Estimates.wire_format`), named in `explain` when it is not native;
-  - `open`: the Decode streams of RLD and MD (pumped into the request's queues; pdd's RLD
-    stream, if it breaks, is taken over by MD), and P's Prefill with its KV targets (RLD from
+  - `open`: the request's token streams from RLD and MD (subscriptions on each instance's one
+    DecodeStream, `decode_streams`, into the request's queues; pdd's RLD stream, if it breaks,
+    is taken over by MD), and P's Prefill with its KV targets (RLD from
     its own prefix hit, with the first token; MD from its DRC hit), each in its wire format,
     MD's encoded bytes booked on its link estimate;
   - `_prefill`: P's events: what it cached and its first token, each target's transfer done or
@@ -24,9 +25,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from serving.pb import cluster_pb2, common_pb2
-from serving.router import pools, recovery
+from serving.router import decode_streams, pools, recovery
 from serving.router.request import CODES, Abort, Request, from_rpc
-from serving.router.stream import pump
 
 if TYPE_CHECKING:
     import collections
@@ -62,19 +62,16 @@ class Transfers:
 
     async def open(self, r: Request) -> None:
         """RLD's and MD's Decode streams, then P's Prefill pushing KV to both at once."""
-        decode = cluster_pb2.DecodeRequest(request_id=r.rid)
         targets = []
-        if r.uses_relay:
-            call = pools.stub(r.relay).Decode(decode, timeout=r.deadline.timeout())
+        if r.uses_relay:  # the tiers' tokens come on their instance's one DecodeStream (decode_streams.py)
             lost = self._relay_lost(r) if r.pipeline == common_pb2.PIPELINE_PDD else None
-            r.relay_pump = asyncio.create_task(pump(call, r.relay_out, "relay", lost))
+            r.relay_pump = decode_streams.subscribe(r.relay, r.rid, r.relay_out, "relay", lost)
             r.tasks.append(r.relay_pump)
             targets.append(cluster_pb2.KVTarget(address=r.relay.kv_address, start=r.cached_relay,
                                                 role=common_pb2.ROLE_RELAY, include_first_token=True,
                                                 kv_wire=r.kv_wire_relay))
         if r.uses_main:
-            call = pools.stub(r.main).Decode(decode, timeout=r.deadline.timeout())
-            r.tasks.append(asyncio.create_task(pump(call, r.main_out, "main")))
+            r.tasks.append(decode_streams.subscribe(r.main, r.rid, r.main_out, "main"))
             targets.append(cluster_pb2.KVTarget(address=r.main.kv_address, start=r.cached_main,
                                                 role=common_pb2.ROLE_MAIN, include_first_token=not r.uses_relay,
                                                 kv_wire=r.kv_wire_main))
@@ -174,7 +171,8 @@ class Transfers:
             r.link.done(r.planned, 0, 0.0, ok=False)
             r.link_done = True
         req = cluster_pb2.ReleaseRequest(request_id=r.rid, cache=True, cancel=True)
-        await asyncio.gather(*(pools.stub(i).Release(req) for i in r.touched()), return_exceptions=True)
+        insts = [i for i in r.touched() if not (r.relay_released and i is r.relay)]  # RLD freed at the switch
+        await asyncio.gather(*(pools.stub(i).Release(req) for i in insts), return_exceptions=True)
 
     async def sync_main(self, r: Request) -> None:
         """A filtered (pd-local) turn of a session: push its context's KV to MD anyway, after the

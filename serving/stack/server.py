@@ -10,6 +10,10 @@ written once serving. Security (`listen`): no plaintext on a non-loopback host w
 `insecure`, the role's own TLS identity, callers authorised by role (serving/authz.py),
 reflection only when asked for. SIGTERM/SIGINT drain: new RPCs get UNAVAILABLE, in-flight ones finish
 (up to DRAIN_SECONDS), then the server stops.
+
+A multi-host instance (`num_processes` > 1, pddjax/engines/multihost.py): process 0 is this
+service, its engine's device calls logged to the others; processes 1.. run `follow_leader`
+(the same engine, no port) until process 0 has drained and stops them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from serving.config import ServiceConfig
 from serving.gate import Gate, register
 from serving.metrics import ServiceMetrics
 from serving.pb import cluster_pb2, router_pb2
+from serving.stack import probes
 
 DRAIN_SECONDS = 30.0
 
@@ -48,20 +53,9 @@ def build_servicer(cfg: ServiceConfig):
 
         mcfg, tok = model_facts(cfg.model)
         return RouterService(cfg.router, mcfg, tok)
-    from pddjax.model.jax_setup import configure
-
-    configure(cfg.platform)
     import jax
 
-    from pddjax.engines.paged_engine import EngineConfig, PagedEngine
-    from pddjax.model.registry import load_model
-
-    model = load_model(cfg.model)
-    ecfg = EngineConfig(**cfg.engine)
-    engine = PagedEngine(model.config, model.weights, model.fingerprint, ecfg)
-    variants, seconds = engine.precompile()
-    print(f"pddjax {cfg.role} precompiled {variants} variants ({len(engine.shapes)} step shapes) in {seconds:.1f} s",
-          flush=True)
+    model, ecfg, engine, _ = build_engine(cfg)
     info = dict(role=rpc.ROLE_NAMES[cfg.role], model=model.config.name, fingerprint=model.fingerprint, dtype=ecfg.dtype,
                 page_size=ecfg.page_size, num_pages=ecfg.num_pages, prefix_cache=ecfg.prefix_cache,
                 num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads,
@@ -73,6 +67,58 @@ def build_servicer(cfg: ServiceConfig):
     from serving.engine.decode import DecodeService
 
     return DecodeService(cfg.role, engine, model.config, info)
+
+
+def build_engine(cfg: ServiceConfig):
+    """JAX set up, the model loaded, the role's engine built and precompiled -> (model, ecfg,
+    engine, channel). A multi-host instance joins its group first (engines/multihost.py): the
+    channel is process 0's Leader (also the engine's `ops`) or another process's Follower; None
+    for a one-process instance."""
+    from pddjax.model.jax_setup import configure
+
+    tp = int(cfg.engine.get("tensor_parallel", 1))
+    configure(cfg.platform, devices=max(1, tp // cfg.num_processes))  # CPU: fake devices for TP (this host's share)
+    from pddjax.engines import multihost
+
+    channel = multihost.join(cfg.coordinator_address, cfg.num_processes, cfg.process_id)  # None: one process
+
+    from pddjax.engines.paged_engine import EngineConfig, PagedEngine
+    from pddjax.model.registry import load_model
+
+    model = load_model(cfg.model)
+    ecfg = EngineConfig(**cfg.engine)
+    leader = channel if isinstance(channel, multihost.Leader) else None
+    engine = PagedEngine(model.config, model.weights, model.fingerprint, ecfg, ops=leader)
+    variants, seconds = engine.precompile()
+    print(f"pddjax {cfg.role} precompiled {variants} variants ({len(engine.shapes)} step shapes) in {seconds:.1f} s",
+          flush=True)
+    return model, ecfg, engine, channel
+
+
+def follow_leader(cfg: ServiceConfig) -> int:
+    """Process I > 0 of a multi-host instance: no port; the leader's engine, replaying its device
+    calls until it stops (-> 0) or is gone (-> multihost.EXIT_LOST). SIGTERM does not end it:
+    the leader drains first, then stops its followers."""
+    signal.signal(signal.SIGTERM, lambda *_: print(f"pddjax {cfg.role} follower {cfg.process_id}: SIGTERM; "
+                                                    "following until the leader stops", flush=True))
+    _, _, engine, channel = build_engine(cfg)
+    from pddjax.engines import multihost
+
+    print(f"pddjax {cfg.role} follower {cfg.process_id}/{cfg.num_processes} following the leader at "
+          f"{cfg.coordinator_address}", flush=True)
+    try:
+        result = multihost.follow(engine, channel)
+    except Exception:  # follow logged it; no jax.distributed shutdown barrier: the leader is about to go too
+        import traceback
+
+        traceback.print_exc()
+        os._exit(multihost.EXIT_LOST)
+    print(f"pddjax {cfg.role} follower {cfg.process_id}: the leader {'stopped' if result == 'stop' else 'is gone'}",
+          flush=True)
+    if result != "stop":
+        os._exit(multihost.EXIT_LOST)  # no jax.distributed shutdown: its coordinator went with the leader
+    multihost.shutdown()
+    return 0
 
 
 @dataclasses.dataclass
@@ -118,7 +164,8 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
     security.set_identity(cfg.role)  # the certificate this process dials its peers with
     lst = await listen(cfg)
     server, hs, names, gate, metrics, address = lst.server, lst.health, lst.names, lst.gate, lst.metrics, lst.address
-    metrics_url = metrics.serve_http(cfg.host, 0)
+    health_port = await probes.open_health_port(hs, cfg.host)  # PDDJAX_HEALTH_PORT: kubelet's plaintext probe
+    metrics_url = metrics.serve_http(cfg.host, probes.metrics_port())
     print(f"pddjax {cfg.role} loading on {address} (metrics {metrics_url})", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -148,5 +195,12 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
     await rpc.set_serving(hs, names, False)
     await gate.wait_idle(DRAIN_SECONDS)
     await server.stop(grace=2)
+    if health_port is not None:
+        await health_port.stop(grace=0)
     if worker is not None:
         worker.stop()
+        if worker.engine.ops is not None:  # a multi-host leader: its followers stop, then the group ends
+            from pddjax.engines import multihost
+
+            worker.engine.ops.close()
+            multihost.shutdown()

@@ -67,10 +67,11 @@ class Child:
 
 
 def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, name: str | None = None,
-          cpus: list[int] | None = None) -> Child:
-    """Start `pddjax serve ROLE` (pinned to `cpus` if given); its address comes via the ready file."""
+          cpus: list[int] | None = None, wrap: list[str] | None = None) -> Child:
+    """Start `pddjax serve ROLE` (pinned to `cpus` if given; behind `wrap`, e.g. `ip netns exec NS`
+    for `up --netns`: serving/stack/netns.py); its address comes via the ready file."""
     ready = os.path.join(workdir, f"{name or role}.ready.json")
-    cmd = [sys.executable, "-m", "pddjax", "serve", role, "--config", config_path, "--port", str(port),
+    cmd = [*(wrap or []), sys.executable, "-m", "pddjax", "serve", role, "--config", config_path, "--port", str(port),
            "--ready-file", ready]
     env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
     if cpus:

@@ -3,6 +3,13 @@
 Layout (one layer): k_pages, v_pages [KH, P, S, D], page 0 is scratch; q [T, H, D] packed
 over rows with cu_q_lens [B+1]; kv_lens [B] include the new tokens (already written);
 page_tables [B, MP] padded with 0. Query i of row r sits at kv_lens[r] - q_len[r] + i.
+
+Under a tensor-parallel mesh (`mesh`, one axis "model"; pddjax/engines/mesh.py) q and the
+output are split over query heads. XLA's attention is left to GSPMD (the same program,
+partitioned by the compiler from the operands' shardings). The Pallas kernel is opaque to the
+partitioner, so it runs per shard under `shard_map`: each device's query heads against its
+own KV heads (pool split over KV heads), or, with a replicated pool (fewer KV heads than
+devices), against the one KV head they share, read in place (`kv_head`).
 """
 
 from __future__ import annotations
@@ -26,11 +33,18 @@ def paged_attention(
     sm_scale: float,
     impl: str = "xla",
     layer: jax.Array | int | None = None,
+    mesh=None,
+    kv_sharded: bool = True,
 ) -> jax.Array:
     """[T, H, D] attention output in q.dtype; padding tokens give zeros.
 
     With `layer`, k_pages/v_pages are the whole pool [L, KH, P, S, D]: Pallas reads that
-    layer's pages in place; XLA slices the layer out first."""
+    layer's pages in place; XLA slices the layer out first. `mesh` (a jax Mesh with axis
+    "model", or None) and `kv_sharded` (the pool's KV-head axis split over it, else replicated)
+    say how the operands are laid out."""
+    if mesh is not None and impl == "pallas":
+        return _pallas_per_shard(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables, max_q_len=max_q_len,
+                                 sm_scale=sm_scale, layer=layer, mesh=mesh, kv_sharded=kv_sharded)
     if layer is not None and impl == "xla":
         k_pages, v_pages = k_pages[layer], v_pages[layer]
     if impl == "xla":
@@ -46,6 +60,33 @@ def paged_attention(
             max_q_len=max_q_len, sm_scale=sm_scale, layer=layer,
         )
     raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
+
+
+def _pallas_per_shard(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables, *, max_q_len, sm_scale, layer, mesh,
+                      kv_sharded):
+    """The Pallas kernel on each device's query heads under shard_map: q [T, H/N, D] per device,
+    the pool split over KV heads ([.., K/N, ..] per device) or whole (replicated)."""
+    from jax.sharding import PartitionSpec as P
+
+    from pddjax.model.attention.pallas_paged import paged_attention_pallas
+
+    axis = mesh.axis_names[0]
+    degree = mesh.shape[axis]
+    num_kv_heads = k_pages.shape[-4]
+    pool_spec = P(*([None] * (k_pages.ndim - 4)), axis) if kv_sharded else P()
+    layer = jax.numpy.asarray(0 if layer is None else layer, jax.numpy.int32)
+
+    def shard(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables, layer):
+        # q: [T, H/N, D]; k_pages, v_pages: this device's pool (split or whole)
+        kv_head = None if kv_sharded else jax.lax.axis_index(axis) * num_kv_heads // degree
+        return paged_attention_pallas(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables, max_q_len=max_q_len,
+                                      sm_scale=sm_scale, layer=layer if k_pages.ndim == 5 else None,
+                                      kv_head=kv_head)
+
+    heads = P(None, axis)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(heads, pool_spec, pool_spec, P(), P(), P(), P()),
+                         out_specs=heads, check_vma=False)(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables,
+                                                           layer)
 
 
 def default_impl(backend: str | None = None) -> str:

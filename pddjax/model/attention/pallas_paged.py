@@ -97,21 +97,31 @@ def choose_blocks(
     return Blocks(block_q, hps, max(1, 64 // page_size))
 
 
-def _load_kv_block(k_ref, v_ref, layer, pages, page_size, head_dim):
-    # layer: [] ; pages: [ppb] page ids -> k, v: [ppb * S, D] (gather from the kv head's pool)
+def _load_kv_block(k_ref, v_ref, layer, head, pages, page_size, head_dim):
+    # layer: [] ; head: [] or None; pages: [ppb] page ids -> k, v: [ppb * S, D] (gather from the
+    # kv head's pool; with `head`, k_ref / v_ref hold every kv head and `head` picks one)
     n = pages.shape[0] * page_size
+    if head is not None:
+        return k_ref[layer, head, pages].reshape(n, head_dim), v_ref[layer, head, pages].reshape(n, head_dim)
     return k_ref[layer, pages].reshape(n, head_dim), v_ref[layer, pages].reshape(n, head_dim)
 
 
-def _kernel(q_len_ref, kv_len_ref, layer_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs,
-            sm_scale: float, blocks: Blocks, page_size: int, blocks_per_split: int):
-    # q_len_ref, kv_len_ref, layer_ref: [1]; pt_ref: [MPp]; q_ref, o_ref: [R, D] (R = block_q * hps);
-    # k_ref, v_ref: [L, P, S, D] (one kv head's pool, every layer); ml_refs (kv_splits > 1): m, l [R]
+def _kernel(*refs, sm_scale: float, blocks: Blocks, page_size: int, blocks_per_split: int,
+            with_head: bool = False):
+    # refs: q_len, kv_len, layer [1], (with_head: head [1], the kv head every query head of this
+    # call reads), page table [MPp], q [R, D] (R = block_q * hps), k, v [L, P, S, D] (one kv head's
+    # pool, every layer; with_head: [L, KH, P, S, D], all of them), o [R, D], (kv_splits > 1: m, l [R])
+    head_ref = None
+    if with_head:
+        q_len_ref, kv_len_ref, layer_ref, head_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs = refs
+    else:
+        q_len_ref, kv_len_ref, layer_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs = refs
     rows, head_dim = q_ref.shape
     bq, hps, ppb = blocks.block_q, blocks.heads_per_step, blocks.pages_per_block
     block_kv = ppb * page_size
     qb = pl.program_id(1)
     q_len, kv_len, layer = q_len_ref[0], kv_len_ref[0], layer_ref[0]
+    head = None if head_ref is None else head_ref[0]
 
     q = q_ref[...]
     tok = qb * bq + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // hps  # [R, 1]
@@ -124,7 +134,7 @@ def _kernel(q_len_ref, kv_len_ref, layer_ref, pt_ref, q_ref, k_ref, v_ref, o_ref
     def body(j, carry):
         acc, m, l_sum = carry  # [R, D], [R], [R] float32 (running sum of exp)
         pages = pt_ref[pl.ds(j * ppb, ppb)]  # [ppb]
-        k, v = _load_kv_block(k_ref, v_ref, layer, pages, page_size, head_dim)  # [BK, D]
+        k, v = _load_kv_block(k_ref, v_ref, layer, head, pages, page_size, head_dim)  # [BK, D]
         # 'rd,kd->rk'
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_EXACT,
                             preferred_element_type=jnp.float32) * sm_scale  # [R, BK]
@@ -167,17 +177,21 @@ def paged_attention_pallas(
     blocks: Blocks | None = None,
     backend: str | None = None,
     interpret: bool | None = None,
+    kv_head: jax.Array | int | None = None,
 ) -> jax.Array:
     # q: [T, H, D]; k_pages, v_pages: [KH, P, S, D], or the whole pool [L, KH, P, S, D] with
     # `layer` (a traced scalar is fine): the kernel then reads that layer's pages in place, so
     # a per-layer slice of the pool (a copy of it) is never made; cu_q_lens: [B+1];
-    # kv_lens: [B]; page_tables: [B, MP]  ->  [T, H, D] in q.dtype (padding tokens: zeros)
+    # kv_lens: [B]; page_tables: [B, MP]  ->  [T, H, D] in q.dtype (padding tokens: zeros).
+    # kv_head (a traced scalar is fine): every query head reads that one KV head of the pool,
+    # in place (a tensor-parallel shard of a replicated pool: its query heads share one KV head).
     if k_pages.ndim == 4:  # one layer: a free leading axis
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     elif layer is None:
         raise ValueError("a 5-D KV pool [L, KH, P, S, D] needs `layer`")
     num_tokens, num_heads, head_dim = q.shape
-    num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_layers, pool_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_kv_heads = pool_kv_heads if kv_head is None else 1  # kv heads this call's query heads read
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     num_rows, max_pages = page_tables.shape
     group = num_heads // num_kv_heads
@@ -216,7 +230,7 @@ def paged_attention_pallas(
         compiler_params = plgpu.CompilerParams(num_warps=blocks.num_warps,
                                                num_stages=blocks.num_stages)
     kernel = functools.partial(_kernel, sm_scale=sm_scale, blocks=blocks, page_size=page_size,
-                               blocks_per_split=per_split)
+                               blocks_per_split=per_split, with_head=kv_head is not None)
     o_spec = pl.BlockSpec((None, None, None, rows, head_dim), lambda b, i, h, s: (s, b, h, i, 0))
     o_shape = jax.ShapeDtypeStruct((splits,) + qb.shape, q.dtype if splits == 1 else jnp.float32)
     out_specs, out_shape = o_spec, o_shape
@@ -224,26 +238,34 @@ def paged_attention_pallas(
         ml_spec = pl.BlockSpec((None, None, None, rows), lambda b, i, h, s: (s, b, h, i))
         ml_shape = jax.ShapeDtypeStruct((splits,) + qb.shape[:-1], jnp.float32)
         out_specs, out_shape = [o_spec, ml_spec, ml_spec], [o_shape, ml_shape, ml_shape]
+    scalar = pl.BlockSpec((1,), lambda b, i, h, s: (0,))
+    if kv_head is None:  # each grid step sees its kv head's pool
+        pool_spec = pl.BlockSpec((num_layers, None, num_pages, page_size, head_dim),
+                                 lambda b, i, h, s: (0, h // n_sub, 0, 0, 0))
+        head_in, head_args = [], ()
+    else:  # every kv head's pool; the kernel picks `kv_head`
+        pool_spec = pl.BlockSpec((num_layers, pool_kv_heads, num_pages, page_size, head_dim),
+                                 lambda b, i, h, s: (0, 0, 0, 0, 0))
+        head_in, head_args = [scalar], (jnp.asarray(kv_head, jnp.int32).reshape(1),)
     res = pl.pallas_call(
         kernel,
         grid=(num_rows, num_q_blocks, num_kv_heads * n_sub, splits),
         in_specs=[
             pl.BlockSpec((1,), lambda b, i, h, s: (b,)),  # q_lens
             pl.BlockSpec((1,), lambda b, i, h, s: (b,)),  # kv_lens
-            pl.BlockSpec((1,), lambda b, i, h, s: (0,)),  # layer
+            scalar,  # layer
+            *head_in,  # kv_head
             pl.BlockSpec((None, mp_pad), lambda b, i, h, s: (b, 0)),  # page table row
             pl.BlockSpec((None, None, rows, head_dim), lambda b, i, h, s: (b, h, i, 0)),  # q tile
-            pl.BlockSpec((num_layers, None, num_pages, page_size, head_dim),
-                         lambda b, i, h, s: (0, h // n_sub, 0, 0, 0)),  # k pool of kv head
-            pl.BlockSpec((num_layers, None, num_pages, page_size, head_dim),
-                         lambda b, i, h, s: (0, h // n_sub, 0, 0, 0)),  # v pool of kv head
+            pool_spec,  # k pool
+            pool_spec,  # v pool
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=compiler_params,
         name="ragged_paged_attention",
-    )(q_lens, kv_lens, layer, pt, qb, k_pages, v_pages)
+    )(q_lens, kv_lens, layer, *head_args, pt, qb, k_pages, v_pages)
     if splits == 1:
         out = res[0]
     else:  # merge kv splits: weights l_s * exp(m_s - max m), float32

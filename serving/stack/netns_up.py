@@ -1,0 +1,172 @@
+"""`pddjax up --netns`: the stack as two hosts on this machine (serving/stack/netns.py).
+
+Cluster A's namespace runs P and RLD (on its loopback), the router (every address of A, so
+this host reaches it at netns.HOST_A) and the OpenAI gateway (on HOST_A); cluster B's runs MD
+on netns.WAN_B. P's KV and RLD's handoffs to MD, and the router's RPCs to MD, cross the shaped
+WAN veth pair. The bandwidth is the kernel's (tbf); the latency too where the kernel has netem,
+else a userspace link (`python -m serving.stack.netns_up link`, in cluster A, latency only) sits
+in front of each MD as P reaches it (`main_wan`), as in plain `pddjax up`. Off loopback the
+services listen in plaintext (`insecure` in their tables: the namespaces' addresses are reached
+only from this host) unless a TLS directory is given (--tls / --tls-dir). The state file is
+`pddjax up`'s plus `netns` (namespaces, devices, addresses, shaping; `Topology.state`). On stop
+(and after a crash, at the next start: netns.remove_stale) the namespaces are deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+from serving.config import ENGINE_ROLES, service_config
+from serving.stack import netns
+from serving.stack.supervise import Supervisor
+from serving.stack.up import Child, openai_state, spawn, stop_all, wait_ready, write_json
+
+
+def cluster_stack(stack: dict) -> dict:
+    """Each role's host in its namespace; plaintext allowed there (reached from this host only)."""
+    hosts = {"prefill": "127.0.0.1", "relay": "127.0.0.1", "main": netns.WAN_B, "router": "0.0.0.0"}
+    return {**stack, **{r: {**stack.get(r, {}), "host": h, "insecure": True} for r, h in hosts.items()}}
+
+
+def spawn_link(topo: netns.Topology, target: str, latency_ms: float, workdir: str, k: int, log) -> Child:
+    """A latency-only userspace link in cluster A in front of MD `target` (no netem here)."""
+    ready = os.path.join(workdir, f"wan{k}.ready.json")
+    cmd = [*topo.wrap("a"), sys.executable, "-m", "serving.stack.netns_up", "link", "--target", target,
+           "--latency-ms", str(latency_ms), "--port", "0", "--ready-file", ready]
+    env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
+    return Child("wan", proc, ready, cmd, env, log)
+
+
+def spawn_gateway(topo: netns.Topology, router_port: str, port: int, workdir: str, log, stack: dict) -> Child:
+    ready = os.path.join(workdir, "openai.ready.json")
+    cmd = [*topo.wrap("a"), sys.executable, "-m", "pddjax", "serve", "openai", "--router", f"127.0.0.1:{router_port}",
+           "--host", netns.HOST_A, "--port", str(port), "--model", service_config(stack, "router").model,
+           "--insecure", "--ready-file", ready]
+    env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
+    return Child("openai", subprocess.Popen(cmd, stdout=log, stderr=log, env=env), ready, cmd, env, log)
+
+
+async def run_netns_stack(stack: dict, port: int, state_file: str | None, instances: tuple[int, int, int] = (1, 1, 1),
+                          openai_port: int = 0) -> int:
+    wan = stack.get("wan", {})
+    mbps, latency_ms = float(wan.get("mbps", 0) or 0), float(wan.get("latency_ms", 0) or 0)
+    topo = netns.create(mbps, latency_ms)
+    workdir = tempfile.mkdtemp(prefix="pddjax-up-netns-")
+    children: list[Child] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log = open(os.path.join(workdir, "services.log"), "ab")
+    try:
+        peers_file = os.path.join(workdir, "prefill-kv-peers.json")
+        stack = cluster_stack(stack)
+        stack["prefill"]["kv_peers_file"] = peers_file
+        cfg_path = os.path.join(workdir, "stack.json")
+        write_json(cfg_path, stack)
+        children = [spawn(r, cfg_path, workdir, log=log, name=f"{r}{k}", wrap=topo.wrap("b" if r == "main" else "a"))
+                    for r, n in zip(ENGINE_ROLES, instances) for k in range(n)]
+        waiter = asyncio.create_task(wait_ready(children))
+        await asyncio.wait([waiter, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            waiter.cancel()
+            return 130
+        await waiter
+        addr = {r: [c.address for c in children if c.role == r] for r in ENGINE_ROLES}
+        wan_addrs = list(addr["main"])  # P -> MD straight over the veth, unless latency needs the userspace link
+        if latency_ms and not topo.latency_by_kernel:
+            links = [spawn_link(topo, a, latency_ms, workdir, k, log) for k, a in enumerate(addr["main"])]
+            await wait_ready(links, timeout=60)
+            children += links
+            wan_addrs = [lk.address for lk in links]
+        write_json(peers_file, [*addr["relay"], *wan_addrs])
+        rstack = {**stack, "router": {**stack["router"], "prefill": addr["prefill"], "relay": addr["relay"],
+                                      "main": addr["main"], "main_wan": wan_addrs}}
+        rcfg = os.path.join(workdir, "router.json")
+        write_json(rcfg, rstack)
+        router = spawn("router", rcfg, workdir, port=port, log=log, wrap=topo.wrap("a"))
+        children.append(router)
+        await wait_ready([router], timeout=120)
+        router_port = router.address.rsplit(":", 1)[1]
+        public = f"{netns.HOST_A}:{router_port}"
+        gateway = spawn_gateway(topo, router_port, openai_port, workdir, log, rstack)
+        children.append(gateway)
+        await wait_ready([gateway], timeout=120)
+
+        def state():
+            where = {"prefill": topo.a, "relay": topo.a, "router": topo.a, "wan": topo.a, "main": topo.b}
+            return {"services": [{"role": c.role, "pid": c.proc.pid, "address": c.address, "metrics": c.metrics,
+                                  "netns": where[c.role]} for c in children if c.role != "openai"],
+                    "router": public, "wan": {"address": wan_addrs[0], "target": addr["main"][0], "mbps": mbps,
+                                              "latency_ms": latency_ms},
+                    "netns": {**topo.state(), "counters_a": topo.counters("a")}, "log": log.name,
+                    **openai_state(gateway), "tls_dir": os.environ.get("PDDJAX_TLS_DIR")}
+
+        if state_file:
+            write_json(state_file, state())
+        counts = ", ".join(f"{n} {r}" for r, n in zip(ENGINE_ROLES, instances))
+        print(f"pddjax up --netns: router on {public} ({counts}); cluster A = netns {topo.a} (P, RLD, router, "
+              f"gateway), cluster B = netns {topo.b} (MD); {topo.describe()}", flush=True)
+        print(f"pddjax up --netns: OpenAI-compatible API on http://{gateway.address}/v1", flush=True)
+        supervisor = Supervisor(children)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+            gone = supervisor.poll()
+            if gone:
+                print(f"pddjax up: no {gone[0]} service is left; stopping", file=sys.stderr, flush=True)
+                return 1
+            if state_file:
+                write_json(state_file, state())
+        return 0
+    finally:
+        stop_all(children)
+        log.close()
+        topo.close()
+        if state_file and os.path.exists(state_file):
+            os.remove(state_file)
+
+
+# ---- the latency-only userspace link, run inside cluster A ------------------------------
+async def _link(target: str, latency_ms: float, port: int, ready_file: str) -> None:
+    from serving.stack.wanlink import WanLink
+
+    host, tport = target.rsplit(":", 1)
+    link = WanLink(host, int(tport), 0.0, latency_ms)
+    address = await link.start("127.0.0.1", port)
+    write_json(ready_file, {"role": "wan", "pid": os.getpid(), "address": address})
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await link.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m serving.stack.netns_up")
+    sub = p.add_subparsers(dest="command", required=True)
+    lk = sub.add_parser("link", help="a latency-only userspace A -> B link (for a kernel without netem)")
+    lk.add_argument("--target", required=True)
+    lk.add_argument("--latency-ms", type=float, required=True)
+    lk.add_argument("--port", type=int, default=0)
+    lk.add_argument("--ready-file", required=True)
+    args = p.parse_args(argv)
+    if os.environ.get("PDDJAX_DIE_WITH_PARENT") == "1":
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: ends with `up`
+    asyncio.run(_link(args.target, args.latency_ms, args.port, args.ready_file))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
