@@ -1,5 +1,5 @@
 """`pddjax bench serve` end to end on the tiny model: a 3-session trace (2 history turns, 3
-measured ones, one of them continuing a history turn) through every mode (fresh stacks,
+measured ones, one of them continuing a history turn) through three modes (fresh stacks,
 emulated WAN), the JSON schema the simulator and the issue ask for, the output identity check,
 and the figures helpers on hand-made records (the user-side targets: handoff gap, ITL max, e2e,
 compiles after SERVING)."""
@@ -18,6 +18,10 @@ from serving.bench import figures as bf
 from serving.bench import serve as bs
 
 pytestmark = pytest.mark.timeout(600)
+# Three of the five default modes (three fresh stacks, not five: this was the suite's slowest test).
+# pd-cross is the same code with another pipeline (its figures are covered by hand below); pdd-int8's
+# stack path is tests/test_kv_wire_formats.py's and its bench figures tests/test_bench_kv_modes.py's.
+MODES = "pdd,pd-local,pdd-drc-off"
 
 
 def small_trace(path):
@@ -40,10 +44,10 @@ def test_bench_serve_end_to_end_writes_the_schema(tmp_path):
     out = tmp_path / "bench.json"
     p = subprocess.run([sys.executable, "-m", "pddjax", "bench", "serve", "--model", "tiny", "--trace", str(trace),
                         "--json", str(out), "--wan-mbps", "20", "--wan-latency-ms", "5", "--wan-jitter-ms", "1",
-                        "--no-warmup"], capture_output=True, text=True, timeout=580)
+                        "--no-warmup", "--modes", MODES], capture_output=True, text=True, timeout=580)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert set(res["modes"]) == {"pdd", "pd-cross", "pd-local", "pdd-drc-off", "pdd-int8"}
+    assert set(res["modes"]) == set(MODES.split(","))
     for name, m in res["modes"].items():
         assert m["completed"] == m["requests"] == len(measured), (name, m)
         failed = [x for x in p.stderr.splitlines() if "failed" in x]
@@ -63,18 +67,9 @@ def test_bench_serve_end_to_end_writes_the_schema(tmp_path):
         assert all(0 <= n <= c["per_service"][r] for r, n in m["compiles_measured"].items()
                    if c["source"][r] != "gauge")
     assert res["modes"]["pd-local"]["rld_token_share"] == 1.0
-    assert res["modes"]["pd-cross"]["rld_token_share"] == 0.0
-    assert res["modes"]["pd-local"]["wan_bytes"] < res["modes"]["pd-cross"]["wan_bytes"]
     assert res["modes"]["pdd-drc-off"]["wan_bytes"] > res["modes"]["pdd"]["wan_bytes"]
     assert res["outputs"]["identical"], res["outputs"]
-    # pdd with int8 on the WAN (issue 19): MD's link only, lossy so compared, not held identical
-    assert res["modes"]["pdd-int8"]["kv_wire"] == "int8" and res["modes"]["pdd"]["kv_wire"] == "native"
-    assert res["outputs"]["lossy"]["pdd-int8"]["compared"] == len(measured)
-    via_main = [r for r in res["requests"]["pdd-int8"] if r["pipeline"] != "pd-local"]
-    assert via_main and all(r["explain"].endswith("; KV wire MD int8") for r in via_main), via_main
-    assert not any("KV wire" in r["explain"] for m in ("pdd", "pd-cross") for r in res["requests"][m])
-    assert all(set(r) >= {"kv_bytes_to_main", "relay_tokens", "main_tokens"} for r in via_main)
-    assert "| pdd |" in p.stdout and "pdd_p99_over_pd_cross" in res["targets"]
+    assert "| pdd |" in p.stdout and "pdd_p99_over_pd_cross" not in res["targets"]  # no pd-cross run
     t = res["targets"]
     for k in ("pdd_p99_over_pd_local", "pdd_itl_max_over_pd_local", "pdd_e2e_p50_over_pd_local",
               "compiles_after_ready"):
