@@ -36,7 +36,7 @@ from pddjax.engines.mesh import EngineMesh
 from pddjax.engines.sequence import Sequence
 from pddjax.engines.step import run_step
 from pddjax.kv.allocator import NULL_PAGE, OutOfPages, PageAllocator
-from pddjax.kv.canonical import KVImportError, KVRun, export_run, export_shards, from_token, import_run, span
+from pddjax.kv.canonical import KVImportError, KVRun, export_shards, from_token, import_run, join_heads, span
 from pddjax.kv.page_hash import chain_hashes
 from pddjax.kv.page_table import SequencePages, pages_needed
 from pddjax.kv.pool import KVPool
@@ -281,14 +281,8 @@ class PagedEngine:
 
     # ---- KV out, release -------------------------------------------------------------
     def export_kv(self, seq_id: str, start: int = 0, end: int | None = None) -> KVRun:
-        """Canonical KV of tokens [start, end) (default: all computed tokens)."""
-        seq = self.seqs[seq_id]
-        end = seq.pages.num_tokens if end is None else end
-        if not 0 <= start <= end <= seq.pages.num_tokens:
-            raise ValueError(f"cannot export tokens [{start}, {end}) of {seq_id}: {seq.pages.num_tokens} computed")
-        if self.ops is not None:
-            self.ops.export_kv(seq.pages.pages, start, end)
-        return export_run(self.pool, seq.pages.pages, start, end, self.fingerprint)
+        """Canonical KV of tokens [start, end) (default: all computed tokens), all heads in one run."""
+        return join_heads(self.export_kv_shards(seq_id, start, end))
 
     def export_kv_shards(self, seq_id: str, start: int = 0, end: int | None = None) -> list[KVRun]:
         """As export_kv, one piece per distinct KV head range of the pool's shards (each read

@@ -24,8 +24,7 @@ import tempfile
 
 from serving.config import ENGINE_ROLES, service_config
 from serving.stack import netns
-from serving.stack.supervise import Supervisor
-from serving.stack.up import Child, openai_state, spawn, stop_all, wait_ready, write_json
+from serving.stack.up import Child, openai_state, spawn, stop_all, supervise_until_stopped, wait_ready, write_json
 
 
 def cluster_stack(stack: dict) -> dict:
@@ -115,19 +114,7 @@ async def run_netns_stack(stack: dict, port: int, state_file: str | None, instan
         print(f"pddjax up --netns: router on {public} ({counts}); cluster A = netns {topo.a} (P, RLD, router, "
               f"gateway), cluster B = netns {topo.b} (MD); {topo.describe()}", flush=True)
         print(f"pddjax up --netns: OpenAI-compatible API on http://{gateway.address}/v1", flush=True)
-        supervisor = Supervisor(children)
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
-            except TimeoutError:
-                pass
-            gone = supervisor.poll()
-            if gone:
-                print(f"pddjax up: no {gone[0]} service is left; stopping", file=sys.stderr, flush=True)
-                return 1
-            if state_file:
-                write_json(state_file, state())
-        return 0
+        return await supervise_until_stopped(stop, children, state_file, state)
     finally:
         stop_all(children)
         log.close()

@@ -174,19 +174,7 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
               f"{link.mbps or 'unlimited'} Mb/s, {link.latency_ms} ms, KV wire "
               f"{stack.get('router', {}).get('kv_wire') or wan.get('kv_wire', 'native')})", flush=True)
         print(f"pddjax up: OpenAI-compatible API on http://{gateway.address}/v1", flush=True)
-        supervisor = Supervisor(children)  # a service that exits is started again (supervise.py)
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
-            except TimeoutError:
-                pass
-            gone = supervisor.poll()
-            if gone:
-                print(f"pddjax up: no {gone[0]} service is left; stopping", file=sys.stderr, flush=True)
-                return 1
-            if state_file:
-                write_json(state_file, state())
-        return 0
+        return await supervise_until_stopped(stop, children, state_file, state)
     finally:
         for lk in links:
             await lk.close()
@@ -217,3 +205,21 @@ def openai_state(gateway: Child) -> dict:
     """The state file's `openai` (base URL) and `openai_service` (pid, address, metrics)."""
     return {"openai": f"http://{gateway.address}/v1",
             "openai_service": {"pid": gateway.proc.pid, "address": gateway.address, "metrics": gateway.metrics}}
+
+
+async def supervise_until_stopped(stop: asyncio.Event, children: list, state_file: str | None, state) -> int:
+    """Until `stop` is set: restart a service that exits (supervise.py) and rewrite the state file
+    (`state()`) every second. -> 1 when a role has no service left, 0 once stopped."""
+    supervisor = Supervisor(children)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        except TimeoutError:
+            pass
+        gone = supervisor.poll()
+        if gone:
+            print(f"pddjax up: no {gone[0]} service is left; stopping", file=sys.stderr, flush=True)
+            return 1
+        if state_file:
+            write_json(state_file, state())
+    return 0
