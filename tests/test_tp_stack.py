@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import urllib.request
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
 from tests.conftest import FIXTURES
 from tests.serving_stack import UpProcess
+from tests.test_serving_no_compile import gauge
 
 # cold jit cache: sharded step variants in three processes (tiny at 4 rows x 64 step tokens: 450 s loaded)
 pytestmark = pytest.mark.timeout(900)
@@ -84,14 +84,6 @@ def check_layouts(state: dict, lines: dict[str, str]) -> None:
     for s in state["services"]:
         if s["role"] != "router":
             assert gauge(s["metrics"], "pddjax_jit_compiles_after_ready") == 0, s["role"]
-
-
-def gauge(url: str, name: str) -> float:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"{name} not in {url}")
 
 
 TINY_STACK = {"model": "tiny", "platform": "cpu", "engine": ENGINE, "router": {"chunk_bytes": 4096},
