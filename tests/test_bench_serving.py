@@ -53,6 +53,8 @@ def test_page_wait_delta_counts_only_the_burst():
     assert d["count"] == 6 and d["waited"] == 4 and d["mean_s"] == pytest.approx(0.2)
     assert d["p50_le_s"] == 0.5 and d["p99_le_s"] == float("inf")
     assert sl.failures_delta(before, after) == {"RESOURCE_EXHAUSTED": 2}
+    assert sl.per_token({"router": 0.5, "relay": 0.25}, 1000) == {"router": 500.0, "relay": 250.0}
+    assert sl.per_token({"router": 0.5}, 0) == {}
 
 
 def test_bench_serving_small_run(tmp_path):
@@ -75,6 +77,7 @@ def test_bench_serving_small_run(tmp_path):
             assert f[k]["p50"] is not None and f[k]["p99"] >= f[k]["p50"], (name, k, f[k])
         assert f["e2e_ms"]["p50"] >= f["ttft_ms"]["p50"] and f["tokens_per_s"] > 0 and f["load_1m"] >= 0
         assert f["compiles"] == {"prefill": 0, "relay": 0, "main": 0}, (name, f["compiles"])
+        assert f["cpu_us_per_token"]["router"] == pytest.approx(1e6 * f["cpu_s"]["router"] / 64, abs=0.1)
         assert res["ratios"][name]["4"] == pytest.approx(f["tokens_per_s"] / eng["decode_tokens_per_s"], rel=1e-2)
     assert res["serving"]["pd-local"]["4"]["main_token_share"] == 0.0
     assert res["serving"]["pd-cross"]["4"]["main_token_share"] == 1.0

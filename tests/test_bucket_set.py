@@ -4,6 +4,10 @@ batches, KV imports and extend handoffs) in its members only, compiling nothing 
 
 from __future__ import annotations
 
+import collections
+import contextlib
+
+import jax._src.util as jax_util
 import numpy as np
 
 from pddjax.engines import buckets
@@ -119,6 +123,26 @@ def test_equal_prompts_share_a_step_with_q_below_t(tiny):
                                                    for rid, p in prompts.items()}
 
 
+@contextlib.contextmanager
+def jax_events():
+    """{event: count} of JAX's internal test events while inside: 'trace_to_jaxpr' (a trace),
+    'lower_jaxpr_to_module' (a lowering), 'pxla_cached_compilation' (an XLA compile or disk
+    load), 'stages_compiled_call' (a compiled executable called through its Python path)."""
+    counts: collections.Counter = collections.Counter()
+    before = jax_util.test_event_listener
+
+    def listen(name, *args):
+        counts[name] += 1
+        if before is not None:
+            before(name, *args)
+
+    jax_util.test_event_listener = listen
+    try:
+        yield counts
+    finally:
+        jax_util.test_event_listener = before
+
+
 def test_a_varied_workload_runs_only_members_and_compiles_nothing_after_precompile(tiny):
     ref = ReferenceEngine(tiny.config, tiny.weights)
     cfg = EngineConfig(page_size=16, num_pages=256, max_step_tokens=128, max_rows=8)
@@ -130,8 +154,12 @@ def test_a_varied_workload_runs_only_members_and_compiles_nothing_after_precompi
     before = compile_count() + compiled_variants()
     shapes = set()
 
+    calls: collections.Counter = collections.Counter()  # JAX events inside the steps
+
     def step(eng):
-        events = eng.step()
+        with jax_events() as seen:
+            events = eng.step()
+        calls.update(seen)
         assert eng.last_shape[:4] in eng.shapes, eng.last_shape
         shapes.add(eng.last_shape[:4])
         return events
@@ -159,4 +187,10 @@ def test_a_varied_workload_runs_only_members_and_compiles_nothing_after_precompi
     for rid, (p, params) in jobs.items():
         assert out[rid] == ref.generate(p, params, 30, ()).token_ids, rid
     assert compile_count() + compiled_variants() == before
+    # the serving loop's calls hit what precompile built: no trace, lowering or compile of
+    # anything (the step, its argument conversions), and each executable's Python call path
+    # at most once (its first call sets up the C++ fast path), not once per step
+    assert not calls["trace_to_jaxpr"] and not calls["lower_jaxpr_to_module"], calls
+    assert not calls["pxla_cached_compilation"], calls
+    assert calls["stages_compiled_call"] <= len(shapes), (calls, len(shapes))
     assert any(s[3] == 1 and s[1] > 1 for s in shapes) and any(s[3] > 1 and s[1] > 1 for s in shapes), shapes

@@ -257,6 +257,17 @@ def test_out_of_pages_allocates_nothing(tiny):
     assert eng.allocator.num_used == 5 and list(eng.seqs) == ["a"]
 
 
+def test_integrity_catches_a_stale_step_page_table(tiny):
+    """The step reads a row's page table from `Sequence.page_array` (built once at admission):
+    if it ever disagreed with the sequence's pages, the step would read another request's KV."""
+    eng = engine(tiny)
+    eng.add("a", prompt(20, 4), GREEDY, 10, NO_STOP)
+    eng.check_integrity()
+    eng.seqs["a"].page_array[0] += 1
+    with pytest.raises(AssertionError, match="page_array"):
+        eng.check_integrity()
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_handoff_identity_with_pallas_attention(tiny, ref, params):
     """The same P -> RLD -> MD path with the Pallas kernel (interpret mode on CPU) in every engine."""

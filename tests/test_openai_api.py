@@ -14,7 +14,8 @@ requires a bearer token (`--auth-token-file`), which is the API key; `max_inflig
     unreachable), 504 (deadline);
   - a client that disconnects mid-stream cancels the request: every tier idle, the router
     counts it CANCELLED;
-  - /health, /v1/models, /metrics.
+  - /health, /v1/models, /metrics;
+  - the gateway runs in the router's process (`pddjax up` co-hosts it), which loads no JAX.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 ENGINE = {"dtype": "float32", "page_size": 16, "num_pages": 256, "max_step_tokens": 128, "max_rows": 8}
 SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 7}
 WAN_MS = 1000  # one way, A -> B: a pd-cross request waits >= 1 s for its KV (in flight when a test acts)
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "pddjax.toml")
 LONG = 470  # tokens: ~0.8 s alone on the tiny model, more when 4 share the engine (still in flight when a test acts)
 
 
@@ -160,6 +162,10 @@ def streamed(stream) -> tuple[list[int], str, list]:
 # ---- the answers equal the router's ---------------------------------------------------------
 def test_state_health_and_models(up, oai):
     assert up.state["openai"].startswith("http://127.0.0.1:") and up.state["openai"].endswith("/v1")
+    router_pid = service(up, "router")["pid"]
+    assert up.state["openai_service"]["pid"] == router_pid  # co-hosted: the gateway is the router's process
+    with open(f"/proc/{router_pid}/maps") as f:
+        assert "jaxlib" not in f.read()  # ... which still loads no JAX
     r = httpx.get(up.state["openai"].removesuffix("/v1") + "/health", timeout=10)
     assert r.status_code == 200 and r.json()["router"] == "serving"
     models = oai.models.list().data
@@ -442,7 +448,10 @@ def test_overhead_benchmarks_client_is_exact_and_reuses_its_connections(up, rout
 def test_serve_openai_flags_are_one_sentence():
     for args, words in ((["openai"], "needs --router"), (["openai", "--router", "127.0.0.1:1", "--host", "0.0.0.0"],
                                                            "refusing to serve the OpenAI gateway in plaintext"),
-                        (["prefill"], "needs --config")):
+                        (["prefill"], "needs --config"),
+                        (["prefill", "--config", CONFIG, "--openai-port", "0"], "--openai-port is for the router"),
+                        (["router", "--config", CONFIG, "--openai-port", "0", "--openai-host", "0.0.0.0"],
+                         "refusing to serve the OpenAI gateway in plaintext")):
         out = subprocess.run([sys.executable, "-m", "pddjax", "serve", *args], capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 2 and words in out.stderr and out.stderr.count("\n") == 1, out.stderr

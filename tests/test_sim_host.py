@@ -83,26 +83,43 @@ def prefill(host_cores=2.0, step_cores=1.0, pad_limit=1.5):
 
 @pytest.mark.parametrize("pad_limit", [1.5, 0.0])
 def test_prefill_packs_steps_fewest_pending_first(pad_limit):
-    """Fewest pending first; with the engine's pad limit a long prompt row does not join a short
-    one (2 rows padded to 256 = 512 query slots > 1.5 x 256 tokens): the hot turn's 50 tokens
-    run alone, then the cold prompt in full steps. Without it they share step 1."""
+    """Fewest pending first, each row as many tokens as still fit a member of the engine's set
+    (as `PagedEngine.step`; checked against it on these and 5 more cases): with the pad limit
+    the cold prompt joins the hot turn's 50 tokens with 128 (the mixed member (256, 2, MP, 128):
+    2 x 128 <= 1.5 x 178; the old prompt-row rule padded Q to 256 and ran the hot turn alone),
+    then full steps. Without a limit the coarse Q = T member takes 50 + 206."""
     loop, _, p, lin, chunks, done = prefill(pad_limit=pad_limit)
     cold, hot = req(1, 600), req(2, 50)
     for r in (cold, hot):
         lin.add(r.sid, 0, 0)
         p.submit(r)
     loop.run()
-    if pad_limit:  # steps: hot 50 | cold 256 | 256 | 88 (FLAT: 0.1 s each)
-        assert done == pytest.approx({"s2-t0": 0.1, "s1-t0": 0.4})
-        assert chunks == [("s2-t0", 0, 50, True), ("s1-t0", 0, 256, False), ("s1-t0", 256, 512, False),
-                          ("s1-t0", 512, 600, True)]
-        assert p.n_steps == 4
+    if pad_limit:  # steps: hot 50 + cold 128 | 256 | 216 (FLAT: 0.1 s each)
+        assert done == pytest.approx({"s2-t0": 0.1, "s1-t0": 0.3})
+        assert chunks == [("s2-t0", 0, 50, True), ("s1-t0", 0, 128, False), ("s1-t0", 128, 384, False),
+                          ("s1-t0", 384, 600, True)]
     else:  # steps: hot 50 + 206 of cold | 256 | 138
         assert done == pytest.approx({"s2-t0": 0.1, "s1-t0": 0.3})
         assert chunks == [("s2-t0", 0, 50, True), ("s1-t0", 0, 206, False), ("s1-t0", 206, 462, False),
                           ("s1-t0", 462, 600, True)]
-        assert p.n_steps == 3
+    assert p.n_steps == 3
     p.check_integrity()
+
+
+@pytest.mark.parametrize("prompts, steps", [
+    ((5, 32), [["s0-t0"], ["s1-t0"]]),  # 2 x 32 > 1.5 x 37: apart (the old rule: 64 <= 1.5 x 64, together)
+    ((40, 40, 40), [["s0-t0"], ["s1-t0"], ["s2-t0"]]),  # 2 x 64 > 1.5 x 80 (old: 128 <= 1.5 x 128)
+    ((1, 16, 200), [["s0-t0", "s1-t0", "s2-t0"], ["s2-t0"]]),  # a 1-token row: MIXED_PAD, 64 of 200 ride along
+])
+def test_prefill_steps_follow_the_engines_padding_rule(prompts, steps):
+    loop, _, p, lin, _, _ = prefill()
+    seen: dict = {}  # step end time -> the requests in that step, in row order
+    p.on_chunk = lambda r, a, b, last: seen.setdefault(loop.now, []).append(r.rid)
+    for i, n in enumerate(prompts):
+        lin.add(i, 0, 0)
+        p.submit(req(i, n))
+    loop.run()
+    assert [seen[t] for t in sorted(seen)] == steps
 
 
 def test_prefill_reuses_whole_pages_and_streams_the_cached_part_first():

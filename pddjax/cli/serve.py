@@ -78,6 +78,11 @@ def _openai_flags(p) -> None:
     g.add_argument("--model", help="the served model (its name and weights fingerprint in responses; requests must "
                                    "name it); default: any name accepted")
     g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request names none")
+    g.add_argument("--openai-port", type=int, metavar="N",
+                   help="router: also serve the OpenAI gateway in the router's process on this HTTP port (0 = any; "
+                        "its address in the ready file as `openai`)")
+    g.add_argument("--openai-host", help="router: the co-hosted gateway's HTTP listen address (default: the router's "
+                                         "host; off loopback only with --insecure)")
 
 
 def run_openai(args) -> int:
@@ -85,18 +90,13 @@ def run_openai(args) -> int:
         raise UserError("pddjax serve openai needs --router HOST:PORT")
     if args.default_max_tokens < 1:
         raise UserError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-    import ipaddress
+    from serving.openai.server import plaintext_problem, serve
 
-    try:
-        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not args.insecure:  # the HTTP side has no TLS of its own: API keys would cross in plaintext
-        raise UserError(f"refusing to serve the OpenAI gateway in plaintext on {args.host}: requests carry the "
-                        "router's token; listen on a loopback address behind a TLS proxy, or pass --insecure")
+    problem = plaintext_problem(args.host, args.insecure)  # the HTTP side has no TLS of its own
+    if problem:
+        raise UserError(problem)
     apply_security_flags(args)
     _die_with_parent()
-    from serving.openai.server import serve
 
     asyncio.run(serve(args.router, args.host, 8000 if args.port is None else args.port, args.model, args.ready_file,
                       args.default_max_tokens))
@@ -178,6 +178,7 @@ def run_serve(args) -> int:
     cfg = service_config(read_file(args.config), args.role, args.port)
     cfg.insecure, cfg.reflection = cfg.insecure or args.insecure, cfg.reflection or args.reflection
     _apply_multihost_flags(args, cfg)
+    openai = _cohosted_openai(args, cfg)
     _die_with_parent()
     if cfg.process_id > 0:  # a multi-host follower: no port, it replays process 0's device calls
         from serving.stack.server import follow_leader
@@ -193,8 +194,27 @@ def run_serve(args) -> int:
     from pddjax import memdiag
 
     memdiag.install(args.role)  # PDDJAX_TRACEMALLOC=N: `kill -USR2 PID` prints heap growth
-    asyncio.run(serve(cfg, args.ready_file))
+    asyncio.run(serve(cfg, args.ready_file, openai))
     return 0
+
+
+def _cohosted_openai(args, cfg) -> dict | None:
+    """`serve router --openai-port N [--openai-host H]`: the gateway's settings for serving/stack/server.py."""
+    if args.openai_port is None:
+        if args.openai_host:
+            raise UserError("--openai-host needs --openai-port")
+        return None
+    if cfg.role != "router":
+        raise UserError(f"--openai-port is for the router (it co-hosts the OpenAI gateway), not {cfg.role}")
+    if args.default_max_tokens < 1:
+        raise UserError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    from serving.openai.server import plaintext_problem
+
+    host = args.openai_host or cfg.host
+    problem = plaintext_problem(host, cfg.insecure)
+    if problem:
+        raise UserError(problem)
+    return {"host": host, "port": args.openai_port, "default_max_tokens": args.default_max_tokens}
 
 
 def _apply_multihost_flags(args, cfg) -> None:

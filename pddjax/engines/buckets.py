@@ -34,16 +34,6 @@ def q_len_bucket(n: int) -> int:  # max tokens of any row in the step
     return pow2_at_least(n, 1)
 
 
-def padded_past(limit: float, taken: list[int], n: int) -> bool:
-    """Would a row of n > 1 tokens joining rows of `taken` tokens (all > 1: a step of prompt
-    rows) pad the step's query block B x Q past `limit` x T? Rows of 1 token (decode) in
-    `taken`: never (their step keeps its extend chunks). limit 0: never."""
-    if limit <= 0 or min(taken) == 1:
-        return False
-    B, Q = row_bucket(len(taken) + 1), q_len_bucket(max(max(taken), n))
-    return B * Q > limit * token_bucket(sum(taken) + n)
-
-
 MIXED_PAD = 4  # a step with decode rows may pad its query block this much further (see pads_past)
 
 
@@ -165,4 +155,6 @@ def fit_row(members: list[Shape], tokens: int, rows: int, width: int, q: int, st
     for T, B, MP, Q in members:
         if B > rows and MP >= width and Q >= q:
             best = max(best, min(n, T - tokens, Q, MP * page_size - start))
+            if best == n:  # the whole row fits: no member can do better (a decode row: the first)
+                return n
     return best

@@ -271,8 +271,8 @@ def _replay_step(engine, meta: dict, arrays: list[np.ndarray]) -> None:
     from pddjax.engines.step import run_step
 
     n = len(dataclasses.fields(PackedBatch))
-    batch = PackedBatch(*(jnp.asarray(a) for a in arrays[:n]))
-    sampling = tuple(jnp.asarray(a) for a in arrays[n:])  # seeds, steps, temperature, top_k, top_p
+    batch = PackedBatch(*arrays[:n])  # numpy, as the leader's step passes them (and precompile builds)
+    sampling = tuple(arrays[n:])  # seeds, steps, temperature, top_k, top_p
     _, _, engine.pool = run_step(engine.weights, engine.cfg, batch, engine.pool, *sampling,
                                  max_q_len=meta["max_q_len"], impl=engine.config.attention, greedy=meta["greedy"],
                                  return_logits=meta["return_logits"], layout=engine.layout)

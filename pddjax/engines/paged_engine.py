@@ -30,12 +30,12 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from pddjax.engines import buckets
+from pddjax.engines import buckets, step_batch
 from pddjax.engines.engine_config import EngineConfig
 from pddjax.engines.mesh import EngineMesh
 from pddjax.engines.sequence import Sequence
 from pddjax.engines.step import run_step
-from pddjax.kv.allocator import NULL_PAGE, OutOfPages, PageAllocator
+from pddjax.kv.allocator import OutOfPages, PageAllocator
 from pddjax.kv.canonical import KVImportError, KVRun, export_shards, from_token, import_run, join_heads, span
 from pddjax.kv.page_hash import chain_hashes
 from pddjax.kv.page_table import SequencePages, pages_needed
@@ -44,7 +44,6 @@ from pddjax.kv.radix_cache import RadixCache
 from pddjax.model import weights as wmod
 from pddjax.model.attention import IMPLS, default_impl
 from pddjax.model.config import ModelConfig
-from pddjax.model.paged import PackedBatch
 from pddjax.model.sampling_params import GREEDY, SamplingParams
 
 
@@ -77,6 +76,7 @@ class PagedEngine:
         self.radix = RadixCache(config.page_size, self.allocator)
         self.seqs: dict[str, Sequence] = {}
         self.shapes = buckets.bucket_set(config, cfg)  # every (T, B, MP, Q) a step may have
+        self._table_width = max(mp for _, _, mp, _ in self.shapes)  # a Sequence's page_array length
         self.num_steps = 0
         self._multi_first = False  # the last step left a multi-token row out: those go first (buckets.step_order)
         self.last_shape: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # (T, B, MP, Q, rows) of the last step
@@ -146,7 +146,8 @@ class PagedEngine:
         pages = SequencePages(S, cached_pages + fresh, len(cached_pages) * S, len(cached_pages) * S)
         seq = Sequence(seq_id, list(prompt), params, max_tokens,
                        frozenset(self.cfg.eos_token_ids if stop_ids is None else stop_ids), pages,
-                       prefix_node=node if cached_pages else None, hold_on_finish=hold_on_finish)
+                       prefix_node=node if cached_pages else None, hold_on_finish=hold_on_finish,
+                       table_width=self._table_width)
         self.seqs[seq_id] = seq
         return seq
 
@@ -212,11 +213,12 @@ class PagedEngine:
         tokens, logits, self.pool = run_step(
             self.weights, self.cfg, batch, self.pool, *sp, max_q_len=shape[3],
             impl=self.config.attention, greedy=greedy, return_logits=return_logits, layout=self.layout)
-        self.num_steps += 1
-        tokens = np.asarray(tokens)
-        events, row_logits = [], {}
-        for r, (seq, n) in enumerate(rows):
+        self.num_steps += 1  # the step runs asynchronously: the KV bookkeeping overlaps it
+        for seq, n in rows:
             seq.pages.num_tokens += n
+        tokens = np.asarray(tokens)  # [B] (waits for the step)
+        events, row_logits = [], {}
+        for r, (seq, _) in enumerate(rows):
             if not sample_rows[r]:
                 continue
             pos = len(seq.generated)
@@ -236,41 +238,11 @@ class PagedEngine:
         return buckets.pads_past(self.shapes, self.config.pad_limit, len(rows) + 1, tokens, width, q, decode_rows)
 
     def _build(self, rows, shape: buckets.Shape):
-        S = self.config.page_size
-        T, B, MP, _ = shape
-        tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
-        slot_pages, slot_offsets = np.full(T, NULL_PAGE, np.int32), np.zeros(T, np.int32)
-        cu, kv_lens = np.zeros(B + 1, np.int32), np.zeros(B, np.int32)
-        tables, last_idx = np.zeros((B, MP), np.int32), np.zeros(B, np.int32)
-        sample_rows, off = [], 0
-        for r, (seq, n) in enumerate(rows):
-            start = seq.pages.num_tokens
-            pos = np.arange(start, start + n)
-            tokens[off:off + n] = [seq.token_at(p) for p in pos]
-            positions[off:off + n] = pos
-            slots = seq.pages.slots(pos)  # [n, 2]
-            slot_pages[off:off + n], slot_offsets[off:off + n] = slots[:, 0], slots[:, 1]
-            kv_lens[r] = start + n
-            used = seq.pages.pages[: pages_needed(start + n, S)]
-            tables[r, : len(used)] = used
-            last_idx[r] = off + n - 1
-            sample_rows.append(start + n == seq.num_tokens)
-            off += n
-            cu[r + 1] = off
-        cu[len(rows) + 1:] = off
-        greedy = all(seq.params.temperature <= 0 for (seq, _), s in zip(rows, sample_rows) if s)
-        batch = PackedBatch(*(jnp.asarray(a) for a in (tokens, positions, slot_pages, slot_offsets, cu, kv_lens,
-                                                       tables, last_idx)))
-        return batch, sample_rows, greedy
+        return step_batch.build(rows, shape, self.config.page_size)
 
     @staticmethod
     def _sampling_arrays(rows, B):
-        seeds, steps, topk = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-        temp, topp = np.zeros(B, np.float32), np.ones(B, np.float32)
-        for r, (seq, _) in enumerate(rows):
-            p = seq.params
-            seeds[r], steps[r], topk[r], temp[r], topp[r] = p.seed, len(seq.generated), p.top_k, p.temperature, p.top_p
-        return tuple(jnp.asarray(a) for a in (seeds, steps, temp, topk, topp))
+        return step_batch.sampling_arrays(rows, B)
 
     def precompile(self) -> tuple[int, float]:
         """Build every step variant of the stated set and the KV copies' token buckets before
@@ -320,6 +292,9 @@ class PagedEngine:
         for s in self.seqs.values():
             s.pages.check_integrity()
             assert s.pages.num_tokens <= s.num_tokens, f"{s.seq_id}: more KV than tokens"
+            n = len(s.pages.pages)
+            assert s.page_array[:n].tolist() == s.pages.pages and not s.page_array[n:].any(), \
+                f"{s.seq_id}: its page_array (the step's page table row) differs from its pages"
             for p in s.pages.pages:
                 owners[p] = owners.get(p, 0) + 1
         for p, n in owners.items():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 
-import jax.numpy as jnp
 import numpy as np
 
 from pddjax.engines import buckets, step
@@ -26,14 +25,15 @@ KV_MIN_BUCKET = 16  # kv.canonical pads a run's tokens to 16, 32, 64, ...
 
 
 def dummy_batch(shape: buckets.Shape) -> tuple[PackedBatch, tuple]:
-    """An all-padding batch of `shape` (every slot page 0, the scratch page) and its sampling arrays."""
+    """An all-padding batch of `shape` (every slot page 0, the scratch page) and its sampling
+    arrays, numpy with the dtypes `PagedEngine._build` / `_sampling_arrays` give: the very
+    signature the serving loop calls the step with, so its calls hit what this builds."""
     T, B, MP, _ = shape
     z = np.zeros
-    batch = PackedBatch(*(jnp.asarray(a) for a in (z(T, np.int32), z(T, np.int32), np.full(T, NULL_PAGE, np.int32),
-                                                   z(T, np.int32), z(B + 1, np.int32), z(B, np.int32),
-                                                   z((B, MP), np.int32), z(B, np.int32))))
-    sampling = tuple(jnp.asarray(a) for a in (z(B, np.int32), z(B, np.int32), z(B, np.float32), z(B, np.int32),
-                                              np.ones(B, np.float32)))  # seeds, steps, temperature, top_k, top_p
+    batch = PackedBatch(z(T, np.int32), z(T, np.int32), np.full(T, NULL_PAGE, np.int32), z(T, np.int32),
+                        z(B + 1, np.int32), z(B, np.int32), z((B, MP), np.int32), z(B, np.int32))
+    sampling = (z(B, np.int32), z(B, np.int32), z(B, np.float32), z(B, np.int32),
+                np.ones(B, np.float32))  # seeds, steps, temperature, top_k, top_p
     return batch, sampling
 
 

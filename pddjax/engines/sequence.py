@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from pddjax.kv.page_table import SequencePages
 from pddjax.model.sampling_params import SamplingParams
 
@@ -27,6 +29,14 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" once finished
     num_sampled_here: int = 0  # tokens this engine sampled (vs. appended from elsewhere)
     paused: bool = False  # not stepped while set (serving: KV or a handoff still in transit)
+    table_width: int = 0  # page_array's length at least (the engine's widest page table)
+    page_array: np.ndarray = dataclasses.field(init=False, repr=False)  # [max(width, pages)] int32, page 0 padded
+
+    def __post_init__(self):
+        # a sequence's pages are reserved whole at admission (prompt + max_tokens) and never change
+        pages = self.pages.pages
+        self.page_array = np.zeros(max(self.table_width, len(pages)), np.int32)
+        self.page_array[:len(pages)] = pages
 
     @property
     def num_tokens(self) -> int:
@@ -35,6 +45,15 @@ class Sequence:
     def token_at(self, pos: int) -> int:
         n = len(self.prompt)
         return self.prompt[pos] if pos < n else self.generated[pos - n]
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) (prompt, then generated)."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        if start >= n:
+            return self.generated[start - n:end - n]
+        return self.prompt[start:] + self.generated[:end - n]
 
     def all_tokens(self) -> list[int]:
         return self.prompt + self.generated

@@ -33,9 +33,10 @@ import ctypes
 import functools
 import os
 import threading
+import weakref
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from pddjax.model.paged import PackedBatch, forward_paged
 from pddjax.model.sampling import sample
@@ -103,6 +104,7 @@ class Executables:
         self._lock = threading.Lock()
         self.built = 0  # variants compiled (or loaded from the disk cache) in this process
         self.evicted = 0
+        self._weights: dict[int, tuple] = {}  # id(weights) -> (weak reference, signature)
         self.resize(capacity)
 
     def __call__(self, args: tuple, statics: dict, layout=None):
@@ -111,9 +113,7 @@ class Executables:
     def build(self, args: tuple, statics: dict, layout=None):
         """The executable for these arguments' shapes and statics: held, or compiled now (from
         the persistent cache on disk when it has it). Nothing runs."""
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, tuple(sorted(statics.items())),
-               tuple((x.shape, x.dtype, getattr(x, "sharding", None), getattr(x, "weak_type", False)) for x in leaves))
+        key = (self._weights_signature(args[0]), _signature(args[1:]), tuple(sorted(statics.items())))
         with self._lock:
             fn = self._lru.get(key)
             if fn is not None:
@@ -125,6 +125,24 @@ class Executables:
                 self._lru[key] = fn
                 self._evict_to(self.capacity)
         return fn
+
+    def _weights_signature(self, w):
+        """`_signature(w)`, computed once per weights object (an engine's weights never change;
+        flattening them on every step cost ~15 us on the tiny model): held by id beside a weak
+        reference, so a recycled id is never mistaken for the object it once named."""
+        with self._lock:
+            held = self._weights.get(id(w))
+            if held is not None and held[0]() is w:
+                return held[1]
+        sig = _signature(w)
+        try:
+            ref = weakref.ref(w)
+        except TypeError:  # a tree that takes no weak reference (a plain dict): not held
+            return sig
+        with self._lock:
+            self._weights = {k: v for k, v in self._weights.items() if v[0]() is not None}
+            self._weights[id(w)] = (ref, sig)
+        return sig
 
     def resize(self, capacity: int) -> None:
         """Change the cap; evicts the least recently used down to it at once."""
@@ -153,6 +171,13 @@ class Executables:
             raise AssertionError(f"built {self.built} - evicted {self.evicted} != held {len(self._lru)}")
 
 
+def _signature(tree) -> tuple:
+    """Structure, and every leaf's shape, dtype, sharding (None: numpy) and weak type."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None), getattr(x, "weak_type", False))
+                          for x in leaves)
+
+
 def _release_jax_caches() -> None:
     """Drop JAX's per-shape tracing / lowering caches (held executables stay valid; other jitted
     functions re-lower on their next call, from the persistent cache) and trim the heap."""
@@ -167,7 +192,9 @@ _executables = Executables(int(os.environ.get("PDDJAX_STEP_EXECUTABLES", DEFAULT
 
 
 def _arguments(w, cfg, batch, pool, sampling, greedy, max_q_len, impl, return_logits, layout):
-    args = (w, batch, pool, *sampling, jnp.asarray(bool(greedy)))
+    # batch and sampling arrays are numpy (host): the compiled step's C++ dispatch transfers
+    # them; `precompile` builds with numpy too, so the executable key below matches
+    args = (w, batch, pool, *sampling, np.asarray(bool(greedy)))
     statics = {"cfg": cfg, "max_q_len": max_q_len, "impl": impl, "return_logits": return_logits}
     if layout is not None and layout.mesh is not None:
         statics.update(mesh=layout.mesh, kv_sharded=layout.kv_sharded)

@@ -6,7 +6,12 @@ What the real P does (serving/engine/prefill.py, engines/paged_engine.py):
   exported and streamed to the targets right away (a command on the engine thread);
 - every step packs the sequences with pending tokens, fewest pending first, up to
   `step_tokens` tokens and `max_rows` rows (a short high-hit prompt overtakes a cold one),
-  stopping before a prompt row that would pad the step past `pad_limit` (EngineConfig);
+  each row as many tokens as still fit a member of the engine's stated shape set
+  (`buckets.fit_row`: a row joining others takes a mixed member, Q < T), stopping before a
+  row that fits none or would pad the step's query block past `pad_limit` (`buckets.pads_past`:
+  the member's B x Q against pad_limit x the step's tokens); a step that left a multi-token
+  row out puts those rows first next time (`buckets.step_order`). Page tables are not
+  modelled: every member's width holds any row;
   after the step each row's new KV is exported and streamed (`on_chunk(req, a, b, last)`);
 - the step that finishes a prompt samples its first token; P keeps the prompt in its cache,
   and its pages stay held (leased: not evictable, though its cache serves them) until every
@@ -17,10 +22,11 @@ shared `Host` (steps keep `step_cores` busy, exports one core).
 
 from __future__ import annotations
 
+import types
 from collections import deque
 from collections.abc import Callable
 
-from pddjax.engines.buckets import padded_past
+from pddjax.engines import buckets
 from pddjax.sim.cache import PrefixCache
 from pddjax.sim.config import HostConfig
 from pddjax.sim.engine_steps import StepModel
@@ -35,6 +41,37 @@ class _Job:
     def __init__(self, req, hit: int, export_from: int, held: int):
         self.req, self.pending, self.upto = req, req.prompt - hit, hit
         self.export_from, self.held = export_from, held
+
+    @property
+    def num_pending(self) -> int:  # as engines.sequence.Sequence (buckets.step_order sorts by it)
+        return self.pending
+
+
+def step_members(hc: HostConfig) -> list[buckets.Shape]:
+    """The stated step shapes of an engine with `hc`'s step_tokens, max_rows, pad_limit and
+    page_size (`buckets.bucket_set`), at one page-table width: the sim tracks no page tables."""
+    config = types.SimpleNamespace(max_step_tokens=hc.step_tokens, max_rows=hc.max_rows, pad_limit=hc.pad_limit,
+                                   page_size=hc.page_size, num_pages=buckets.MIN_WIDTH + 1)
+    return buckets.bucket_set(config, types.SimpleNamespace(max_context=buckets.MIN_WIDTH * hc.page_size))
+
+
+def pack_step(members: list[buckets.Shape], pad_limit: float, jobs: list, step_tokens: int, max_rows: int,
+              multi_first: bool) -> tuple[list, bool]:
+    """The rows of P's next step, as `PagedEngine.step` forms them -> ([(job, tokens)], whether a
+    multi-token row was left out for padding: it goes first next step)."""
+    rows, budget, packed, q = [], step_tokens, 0, 0
+    wide = step_tokens * max(1, step_tokens)  # page tables not modelled: no row is too wide
+    for job in buckets.step_order(list(jobs), multi_first):
+        if len(rows) == max_rows or budget == 0:
+            break
+        n = buckets.fit_row(members, packed, len(rows), 0, q, 0, min(job.pending, budget), wide)
+        decode_rows = n == 1 or bool(rows) and min(k for _, k in rows) == 1
+        if n == 0 or (rows and buckets.pads_past(members, pad_limit, len(rows) + 1, packed + n, 0, max(q, n),
+                                                 decode_rows)):
+            return rows, not multi_first and job.pending > 1
+        rows.append((job, n))
+        budget, packed, q = budget - n, packed + n, max(q, n)
+    return rows, False
 
 
 class EnginePrefill:
@@ -55,6 +92,8 @@ class EnginePrefill:
         self.tokens_computed = 0
         self.n_steps = 0
         self.leases: set[str] = set()  # requests whose KV pushes P still holds pages for
+        self.members = step_members(hc)
+        self._multi_first = False  # the last step left a multi-token row out (buckets.step_order)
 
     # ---- queries ---------------------------------------------------------------------
     def hit_for(self, req) -> int:
@@ -103,15 +142,8 @@ class EnginePrefill:
             return
         if not self.jobs:
             return
-        rows, budget = [], self.hc.step_tokens
-        for job in sorted(self.jobs, key=lambda j: j.pending):  # stable: ties in admission order
-            if len(rows) == self.hc.max_rows or budget == 0:
-                break
-            n = min(job.pending, budget)
-            if rows and n > 1 and padded_past(self.hc.pad_limit, [k for _, k in rows], n):
-                break  # the engine's pad limit: a long prompt row waits rather than pad the short ones
-            rows.append((job, n))
-            budget -= n
+        rows, self._multi_first = pack_step(self.members, self.hc.pad_limit, self.jobs, self.hc.step_tokens,
+                                            self.hc.max_rows, self._multi_first)  # stable: ties in admission order
         work = self.steps.step_s(chunks=[(n, j.upto + n) for j, n in rows])
         exported = sum(max(0, j.upto + n - max(j.upto, j.export_from)) for j, n in rows)
         work += self.hc.export_s_per_token * exported

@@ -17,7 +17,10 @@ call) -> first token-carrying message parsed; ITL = gaps between token-carrying 
 message of k tokens counting k gaps of gap/k (as `bench serve`); TPOT = a stream's mean gap
 (chunks that reach the client together make near-zero ITL gaps). Both include the client's
 own parse (protobuf vs JSON) and, via the gateway, everything the gateway does plus its hop.
-Also per round: the gateway's CPU seconds (from /proc) and this process's CPU per side.
+Also per round (from /proc): the router process's CPU seconds in each side's round, the
+gateway's when it is its own process (`pddjax up` co-hosts it in the router's: then the
+router's CPU in a gateway round is both's, and the difference to a direct round is what the
+gateway costs), and this process's CPU per side.
 """
 
 from __future__ import annotations
@@ -152,11 +155,13 @@ async def connections(n: int, api_key: str | None = None):
         yield session, opened
 
 
-async def measure(router: str, url: str, gw_pid: int, n: int, L: int, m: int, rounds: int, pipeline: str):
-    """-> ({"direct": [runs], "gateway": [runs]}, costs: the gateway's CPU s, this client's CPU s
-    per side and the TCP connections the gateway side opened, per round). One gRPC channel
-    (n streams on it, as a gRPC client does) and n HTTP/1.1 connections (one per stream, as n
-    HTTP clients would hold; opened by the warm-up round) for the whole measurement."""
+async def measure(router: str, url: str, pids: tuple[int, int], n: int, L: int, m: int, rounds: int, pipeline: str):
+    """-> ({"direct": [runs], "gateway": [runs]}, costs per round: the router process's CPU s in
+    each side's round, the gateway process's (when it is its own process), this client's CPU s
+    per side and the TCP connections the gateway side opened). `pids`: (router, gateway); the
+    same pid when the gateway is co-hosted (the router's CPU in a gateway round is then both's).
+    One gRPC channel (n streams on it, as a gRPC client does) and n HTTP/1.1 connections (one per
+    stream, as n HTTP clients would hold; opened by the warm-up round) for the whole measurement."""
     import grpc
 
     from serving.pb import router_pb2_grpc
@@ -167,14 +172,18 @@ async def measure(router: str, url: str, gw_pid: int, n: int, L: int, m: int, ro
         a, b = await direct(stub, warm, m, pipeline), await gateway(session, url, warm, m, pipeline)
         assert [t.tokens for t in a] == [t.tokens for t in b], "the gateway's tokens differ from the router's"
         side: dict[str, list] = {"direct": [], "gateway": []}
-        costs: dict[str, list] = {"gateway_cpu_s": [], "client_cpu_s_direct": [], "client_cpu_s_gateway": [],
-                                  "new_connections": []}
+        costs: dict[str, list] = {"router_cpu_s_direct": [], "router_cpu_s_gateway": [], "gateway_cpu_s": [],
+                                  "client_cpu_s_direct": [], "client_cpu_s_gateway": [], "new_connections": []}
+        router_pid, gw_pid = pids
         for r in range(rounds):
-            c0 = time.process_time()
+            c0, r0 = time.process_time(), cpu_s(router_pid)
             side["direct"].append(await direct(stub, prompts(n, L, 1 + 2 * r), m, pipeline))
-            c1, g0, tcp0 = time.process_time(), cpu_s(gw_pid), opened["tcp"]
+            c1, r1, g0, tcp0 = time.process_time(), cpu_s(router_pid), cpu_s(gw_pid), opened["tcp"]
             side["gateway"].append(await gateway(session, url, prompts(n, L, 2 + 2 * r), m, pipeline))
-            costs["gateway_cpu_s"].append(round(cpu_s(gw_pid) - g0, 2))
+            r2 = cpu_s(router_pid)
+            costs["router_cpu_s_direct"].append(round(r1 - r0, 2))
+            costs["router_cpu_s_gateway"].append(round(r2 - r1, 2))
+            costs["gateway_cpu_s"].append(round(cpu_s(gw_pid) - g0, 2) if gw_pid != router_pid else None)
             costs["client_cpu_s_direct"].append(round(c1 - c0, 2))
             costs["client_cpu_s_gateway"].append(round(time.process_time() - c1, 2))
             costs["new_connections"].append(opened["tcp"] - tcp0)
@@ -220,8 +229,9 @@ def main(argv=None) -> int:
         proc, state = start_stack(tempfile.mkdtemp(prefix="pddjax-openai-overhead-"))
     try:
         router, url, gw_pid = state["router"], state["openai"], state["openai_service"]["pid"]
+        router_pid = next(s["pid"] for s in state["services"] if s["role"] == "router")
         n, L, m = args.streams, args.prompt_tokens, args.max_tokens
-        side, costs = asyncio.run(measure(router, url, gw_pid, n, L, m, args.rounds, args.pipeline))
+        side, costs = asyncio.run(measure(router, url, (router_pid, gw_pid), n, L, m, args.rounds, args.pipeline))
         d, g = figures(side["direct"]), figures(side["gateway"])
         inside = [t.gateway_ttft - t.router_ttft for run in side["gateway"] for t in run]
         g["gateway_own_ttft_p50_ms"] = round(1e3 * statistics.median(inside), 2)  # its TTFT less the router's
@@ -229,13 +239,17 @@ def main(argv=None) -> int:
                "direct": d, "gateway": g, "per_round": costs,
                "ttft_p50_ratio": round(g["ttft_p50_ms"] / d["ttft_p50_ms"], 3),
                "itl_p50_ratio": round(g["itl_p50_ms"] / d["itl_p50_ms"], 3),
-               "tpot_p50_ratio": round(g["tpot_p50_ms"] / d["tpot_p50_ms"], 3), "loadavg": os.getloadavg()}
+               "tpot_p50_ratio": round(g["tpot_p50_ms"] / d["tpot_p50_ms"], 3), "loadavg": os.getloadavg(),
+               "cohosted": gw_pid == router_pid}
+        where = ("co-hosted: in the router's process, counted in its CPU" if out["cohosted"]
+                 else f"its own process: {costs['gateway_cpu_s']} s")
         print(f"{n} streams x {m} tokens ({args.pipeline}, {args.rounds} rounds each):\n"
               f"  direct gRPC : TTFT p50 {d['ttft_p50_ms']} ms, ITL p50 {d['itl_p50_ms']} ms, TPOT p50 "
               f"{d['tpot_p50_ms']} ms\n"
               f"  via gateway : TTFT p50 {g['ttft_p50_ms']} ms, ITL p50 {g['itl_p50_ms']} ms, TPOT p50 "
               f"{g['tpot_p50_ms']} ms\n"
-              f"  per round   : gateway CPU {costs['gateway_cpu_s']} s; this client's CPU direct "
+              f"  per round   : router process CPU direct {costs['router_cpu_s_direct']} s, via gateway "
+              f"{costs['router_cpu_s_gateway']} s; the gateway ({where}); this client's CPU direct "
               f"{costs['client_cpu_s_direct']} s, via gateway {costs['client_cpu_s_gateway']} s; new HTTP "
               f"connections {costs['new_connections']}\n"
               f"  ratio       : TTFT {out['ttft_p50_ratio']}, ITL {out['itl_p50_ratio']}, TPOT {out['tpot_p50_ratio']} "

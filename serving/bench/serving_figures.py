@@ -106,6 +106,11 @@ def cpu_delta(before: dict, after: dict) -> dict:
     return {k: round(after[k] - before[k], 2) for k in after if k in before}
 
 
+def per_token(cpu_s: dict, tokens: int) -> dict:
+    """CPU microseconds per output token of each service (and the bench client) over a burst."""
+    return {k: round(1e6 * v / tokens, 1) for k, v in cpu_s.items()} if tokens else {}
+
+
 def ratio(a, b) -> float | None:
     return round(a / b, 3) if a and b else None
 
@@ -126,6 +131,12 @@ def markdown(res: dict) -> str:
                          f"{f['exact']} ({f['completed']}/{f['streams']}) | {f['tokens_per_message']} |")
     if "pdd_over_pd_local" in res["ratios"]:
         lines.append(f"\npdd / pd-local tokens/s: {res['ratios']['pdd_over_pd_local']}")
+    lines += ["", "CPU us per output token (the engine alone: 1e6 / its decode tok/s):"]
+    for p, per in res["serving"].items():
+        for n, f in per.items():
+            us = ", ".join(f"{k} {v}" for k, v in f.get("cpu_us_per_token", {}).items())
+            alone = res["engine"][n]["decode_tokens_per_s"]
+            lines.append(f"- {p} x {n}: {us}; engine alone {round(1e6 / alone, 1) if alone else '-'}")
     if res["burst"]:
         lines += ["", "| burst | pipeline | tokens | completed | exact | refused | TTFT p50/p99 ms | e2e p50/p99 ms | "
                   "page waits (waited/count, mean s) |", "|" + "---|" * 9]

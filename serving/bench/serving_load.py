@@ -43,6 +43,7 @@ from serving.bench.serving_figures import (
     failures_delta,
     markdown,
     page_wait_delta,
+    per_token,
     ratio,
     scrape_router,
 )
@@ -299,6 +300,7 @@ def measure(args, stack, alone, streams, plan, refs, burst_plan, burst_refs, res
         t0, recs = send_burst(stack.router, prompts, args.max_tokens, p, f"{p}-{n}")
         fig = burst_figures(t0, recs, refs[(p, n)])
         fig["cpu_s"], fig["compiles"] = cpu_delta(cpu0, stack.cpu_s()), compiles.during(c0, compiles.read(engines))
+        fig["cpu_us_per_token"] = per_token(fig["cpu_s"], fig["output_tokens"])  # beside the engine alone's 1e6 / tok/s
         fig["load_1m"] = round(os.getloadavg()[0], 2)
         result["serving"].setdefault(p, {})[str(n)] = fig
         result["ratios"].setdefault(p, {})[str(n)] = ratio(fig["tokens_per_s"],

@@ -51,6 +51,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         self.progress: dict[str, _Progress] = {}  # requests still prefilling (engine thread)
         self.pushes: dict[str, list[asyncio.Task]] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}
+        self.stubs: dict[str, cluster_pb2_grpc.DecodeStub] = {}  # per target address (made once: a callable per method)
         self.worker: EngineWorker | None = None
         self.pages: PageQueue | None = None
 
@@ -182,9 +183,10 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
                 del self.progress[rid]
 
     async def _push(self, rid, target, q, start, end, chunk_bytes) -> cluster_pb2.TransferDone:
-        ch = self.channels.get(target.address) or rpc.channel(target.address)
-        self.channels[target.address] = ch
-        stub = cluster_pb2_grpc.DecodeStub(ch)
+        stub = self.stubs.get(target.address)
+        if stub is None:
+            ch = self.channels[target.address] = rpc.channel(target.address)
+            stub = self.stubs[target.address] = cluster_pb2_grpc.DecodeStub(ch)
         chunker = kvwire.Chunker(rid, start, end, chunk_bytes, target.kv_wire or "native", self.engine.config.page_size,
                                  self.engine.config.tensor_parallel)  # a TP pool sends each shard's heads
         native = chunker.format.name == "native"  # raw copies; the others encode off the event loop

@@ -14,11 +14,13 @@ and the gateway's own TTFT (its request received -> first token sent on).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 from serving.openai import schemas as s
 from serving.pb import common_pb2, router_pb2
 
+_TEXT_MARK, _ID_MARK = "pddjax-text-marker", 987654321987  # token_chunk_json's placeholders (nothing else holds them)
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_CANCELLED: "stop"}
 PIPELINES = {common_pb2.PIPELINE_AUTO: "auto", common_pb2.PIPELINE_PDD: "pdd",
@@ -50,6 +52,7 @@ class Answer:
         self.usage_pb = router_pb2.Usage()
         self.timings_pb = router_pb2.Timings()
         self.gateway_ttft_ms: float | None = None  # the gateway's: request received -> first token sent on
+        self._templates: dict[tuple[int, bool], tuple[str, ...]] = {}  # token_chunk_json's, per (source, usage_null)
 
     def take(self, msg: router_pb2.GenerateResponse) -> None:
         """One router message into the answer (the first names the pipeline)."""
@@ -129,6 +132,27 @@ class Answer:
         choice = s.CompletionChoice(index=0, text=text or "", finish_reason=finish, logprobs=None,
                                     **(self._ids(ids) if not role else {}))
         return s.Completion(object="text_completion", choices=[choice], **head, **extra)
+
+    def token_chunk_json(self, text: str, ids, usage_null: bool = False, source: int = 0) -> str:
+        """`chunk(text, ids, usage_null=, source=)` as JSON (exclude_unset), without building a
+        model per token: the chunk of this (source, usage_null) is validated and dumped once with
+        marker values, and each token chunk puts its text (json.dumps) and ids in their place."""
+        parts = self._templates.get((source, usage_null))
+        if parts is None:
+            parts = self._templates[(source, usage_null)] = self._template(usage_null, source)
+        if len(parts) == 3:
+            return f"{parts[0]}{json.dumps(text, ensure_ascii=False)}{parts[1]}{','.join(map(str, ids))}{parts[2]}"
+        return f"{parts[0]}{json.dumps(text, ensure_ascii=False)}{parts[1]}"
+
+    def _template(self, usage_null: bool, source: int) -> tuple[str, ...]:
+        dumped = self.chunk(_TEXT_MARK, [_ID_MARK], usage_null=usage_null, source=source).model_dump_json(
+            exclude_unset=True)
+        text_at, ids_at = json.dumps(_TEXT_MARK), f"[{_ID_MARK}]"
+        head, _, rest = dumped.partition(text_at)
+        if not self.return_ids:
+            return head, rest
+        mid, _, tail = rest.partition(ids_at)
+        return head, mid + "[", "]" + tail
 
     def usage_chunk(self) -> s.ChatCompletionChunk | s.Completion:
         """include_usage's last chunk: no choices, the usage."""

@@ -1,17 +1,19 @@
 """The gateway's HTTP API (FastAPI): OpenAI's endpoints over the router's streaming Generate.
 
-  POST /v1/chat/completions, POST /v1/completions   streamed (SSE via sse-starlette: one chunk
-       per router message, then include_usage's usage chunk, then `data: [DONE]`) or not
+  POST /v1/chat/completions, POST /v1/completions   streamed (server-sent events: starlette's
+       StreamingResponse, each event framed by sse-starlette's ServerSentEvent; one chunk per
+       router message, then include_usage's usage chunk, then `data: [DONE]`) or not
   GET  /v1/models    the served model (the router answers Stats with the client's token first)
-  GET  /health       200 when the router's grpc.health.v1 says SERVING, else 503
+  GET  /health       200 when the router serves (its grpc.health.v1; co-hosted: its Gate), else 503
   GET  /metrics      Prometheus (gateway.metrics)
 
 A request: body checked (pydantic, then `translate`: 400), the Generate call opened with the
-client's Authorization, and its first message awaited: a router refusal comes before it, so
-it becomes the HTTP status (errors.py); then the answer streams or is collected. The call is
-cancelled (every tier releases the request) whenever the client goes away: mid-stream (the
-SSE response's disconnect watch cancels the generator), while the gateway waits for the first
-message or collects a non-streamed answer (`_unless_gone`), or if the response never started.
+client's Authorization (over gRPC: upstream.py; in the router's process: local.py), and its
+first message awaited: a router refusal comes before it, so it becomes the HTTP status
+(errors.py); then the answer streams or is collected. The call is cancelled (every tier
+releases the request) whenever the client goes away: mid-stream (the StreamingResponse's
+disconnect watch cancels the body task), while the gateway waits for the first message or
+collects a non-streamed answer (`_unless_gone`), or if the response never started.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import uuid
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse  # starlette's, re-exported
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette import ServerSentEvent
 
 from serving.openai import errors, translate
 from serving.openai.answer import Answer, Served
@@ -33,6 +35,16 @@ from serving.openai.errors import OpenAIError, from_rpc
 from serving.openai.metrics import CLIENT_GONE, GatewayMetrics
 from serving.openai.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from serving.openai.upstream import Upstream
+
+PING_S = 15.0  # as sse-starlette's default
+PING = ServerSentEvent(comment="ping").encode()
+DONE = ServerSentEvent("[DONE]").encode()
+SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
+_PINGS: set[asyncio.Task] = set()  # keep-alive sends in flight (referenced until done)
+
+
+def _event(data: str) -> bytes:
+    return ServerSentEvent(data).encode()
 
 
 class ClientGone(Exception):
@@ -63,26 +75,45 @@ async def _collect(messages, answer: Answer) -> None:
         answer.take(msg)
 
 
-class _Stream(EventSourceResponse):
-    """An SSE response that runs `on_close` however it ends (also if it never started)."""
+class _Stream(StreamingResponse):
+    """A server-sent-event stream (starlette's StreamingResponse: the body task and its
+    disconnect watch) that runs `on_close` however it ends (also if it never started) and sends
+    a keep-alive comment every PING_S (a proxy keeps a quiet stream open: a long prefill or a
+    slow WAN's KV before the first token), from one timer per request: nothing per token."""
 
-    def __init__(self, content, on_close, **kw):
-        super().__init__(content, **kw)
-        self._on_close = on_close
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._on_close, self._send, self._ping = on_close, None, None
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self._send = None
+            if self._ping is not None:
+                self._ping.cancel()
             self._on_close()
 
-    async def _send_with_timeout(self, send, message) -> None:
-        """One ASGI send; without a send_timeout, not inside sse-starlette's anyio cancel scope
-        (a scope per token chunk was ~5% of the gateway's CPU per token)."""
-        if self.send_timeout is None:
-            await send(message)
-        else:
-            await super()._send_with_timeout(send, message)
+    async def stream_response(self, send) -> None:
+        self._send = send
+        self._ping = asyncio.get_running_loop().call_later(PING_S, self._keep_alive)
+        try:
+            await super().stream_response(send)
+        finally:
+            self._send = None  # the last body message has gone (or the stream failed): no ping after it
+
+    def _keep_alive(self) -> None:
+        if self._send is not None:
+            task = asyncio.ensure_future(self._ping_once())
+            _PINGS.add(task)
+            task.add_done_callback(_PINGS.discard)
+            self._ping = asyncio.get_running_loop().call_later(PING_S, self._keep_alive)
+
+    async def _ping_once(self) -> None:
+        send = self._send  # checked when this task runs: its one write is atomic, between two events
+        if send is not None:
+            with contextlib.suppress(Exception):  # the client went away: the body task ends the stream
+                await send({"type": "http.response.body", "body": PING, "more_body": True})
 
 
 class Gateway:
@@ -120,8 +151,7 @@ class Gateway:
                     self.metrics.inflight.dec()
                     self.metrics.answered(endpoint, outcome["code"])
 
-                stream = _Stream(self._events(messages, answer, include_usage, endpoint, t0, outcome),
-                                 on_close=closed, ping=15)
+                stream = _Stream(self._events(messages, answer, include_usage, endpoint, t0, outcome), closed)
                 call, streaming = None, True  # the stream owns both now
                 return stream
             await _unless_gone(request, _collect(messages, answer))
@@ -146,12 +176,12 @@ class Gateway:
                 self.metrics.inflight.dec()
 
     async def _events(self, messages, answer: Answer, include_usage: bool, endpoint: str, t0: float, outcome: dict):
-        """SSE events: the role chunk (chat), one chunk per router message with tokens, the
-        finishing chunk (finish_reason, the pddjax extension), the usage chunk, [DONE];
-        `outcome["code"]`: the HTTP status it ended with (a router error: its status)."""
+        """SSE events (sse-starlette's ServerSentEvent framing): the role chunk (chat), one chunk
+        per router message with tokens, the finishing chunk (finish_reason, the pddjax extension),
+        the usage chunk, [DONE]; `outcome["code"]`: the HTTP status it ended with (a router error: its status)."""
         timer, dump = self.metrics.timer(endpoint, t0), dict(exclude_unset=True)
         if answer.chat:
-            yield answer.chunk("", role=True, usage_null=include_usage).model_dump_json(**dump)
+            yield _event(answer.chunk("", role=True, usage_null=include_usage).model_dump_json(**dump))
         try:
             async for msg in messages:
                 answer.take(msg)
@@ -160,19 +190,19 @@ class Gateway:
                     if answer.gateway_ttft_ms is None:
                         answer.gateway_ttft_ms = round(1e3 * (time.perf_counter() - t0), 2)
                     src = msg.sources[0] if msg.sources else 0
-                    yield answer.chunk(msg.text, msg.token_ids, usage_null=include_usage,
-                                       source=src).model_dump_json(**dump)
+                    yield _event(answer.token_chunk_json(msg.text, msg.token_ids, include_usage, src))
         except grpc.aio.AioRpcError as e:
             err = from_rpc(e)
             outcome["code"] = err.status
-            yield err.body().model_dump_json()
-            yield "[DONE]"
+            yield _event(err.body().model_dump_json())
+            yield DONE
             return
-        yield answer.chunk(None, finish=answer.finish or "stop", usage_null=include_usage).model_dump_json(**dump)
+        last = answer.chunk(None, finish=answer.finish or "stop", usage_null=include_usage)
+        yield _event(last.model_dump_json(**dump))
         if include_usage:
-            yield answer.usage_chunk().model_dump_json(**dump)
+            yield _event(answer.usage_chunk().model_dump_json(**dump))
         outcome["code"] = 200
-        yield "[DONE]"
+        yield DONE
 
     async def models(self, request: Request) -> ModelList:
         try:

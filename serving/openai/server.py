@@ -1,27 +1,47 @@
-"""`pddjax serve openai --router HOST:PORT [--port N] [--model NAME]`: the gateway process.
+"""uvicorn serving the gateway (app.py): in the router's process (`pddjax serve router
+--openai-port N`, what `pddjax up` runs: `start_cohosted`) or alone in front of a router on
+another host (`pddjax serve openai --router HOST:PORT [--port N] [--model NAME]`: `serve`).
 
-Its own process (not inside the router): the router's event loop stays free of HTTP parsing
-and JSON per chunk, the gateway scales or restarts on its own, and it is one more client of
-the public Generate (the same token, TLS and deadlines as any other). uvicorn serves the
-FastAPI app on one asyncio loop, which also carries the gRPC channel to the router. The
-model's name and weights fingerprint (`system_fingerprint`) come from `--model` (what `pddjax
-up` passes: the router's model): the fingerprint is the engines' (`tiny-seed0`, or the GGUF
-file's sha256 prefix, read without JAX; "unknown" for a checkpoint directory). Once listening
-it prints its base URL and writes the ready file (JSON {role, pid, address, url, metrics});
-SIGTERM / SIGINT stop it (uvicorn's graceful shutdown: open streams get a few seconds).
+Why in the router's process (issue 21; it was its own process until session 8): on a small
+machine the gateway's CPU competes with the engines and the router, and a separate gateway
+pays for every streamed token twice: the router serializes and writes a gRPC message, the
+gateway reads and parses it (py-spy, separate gateway under 64 streams: gRPC receive 22% of
+its busy time, the HTTP write 22%, pydantic chunks 11%, anyio 10%, starlette 8%, SSE framing
+7%; ~0.4-0.5 s CPU per 64 x 32-token round on top of the router's). Co-hosted, the gateway
+calls the router's generate path in memory (local.LocalUpstream: the same bearer token check,
+Gate (loading / draining 503), deadlines and statuses as the gRPC port), so the router writes no
+gRPC message per token and the gateway reads none: the router process's CPU in a gateway round
+is about its CPU in a direct gRPC round (0.30-0.48 vs 0.25-0.56 s per round; a separate gateway
+added 0.32-0.57 s of its own), and over 9 interleaved before/after pairs of `python -m
+serving.bench.openai_overhead --rounds 4` (load average 5-25 from other work on 2 cores) the
+median TTFT / ITL / TPOT p50 ratios went from 1.21 / 1.19 / 1.33 to 1.02 / 0.99 / 1.06
+(figures in WORKSPACE_NOTES.md, "The OpenAI gateway"). The cost: the router's loop also parses
+HTTP and writes one SSE event per chunk (~0.6 ms per request + ~35 us per token against a
+stand-in router), and the gateway restarts with the router; a gateway on another host (or
+several, for spare cores) is still `serve openai --router`. The router process loads no JAX.
 
-Speed (issue 21's load target): uvicorn parses and writes with httptools (a declared
-dependency; a C parser and chunked writer instead of h11): with app._Stream's plain sends, the
-gateway's CPU per request fell ~25% (2.0-2.1 -> 1.6 ms) and per streamed token ~25-30%. uvloop
-measured no clear gain on top (per request 1.7-1.95 ms, per round within noise), so the loop
-stays asyncio's. Keep-alive connections stay open KEEPALIVE_S (uvicorn's default is 5 s): an
-agent's next turn comes back after its think time, and a reopened connection is a handshake in
-its TTFT.
+One asyncio loop carries uvicorn and the upstream (the router's own loop, co-hosted; a gRPC
+channel otherwise). The model's name and weights fingerprint (`system_fingerprint`) come from
+the router's model (co-hosted) or `--model` (alone): the fingerprint is the engines'
+(`tiny-seed0`, or the GGUF file's sha256 prefix, read without JAX; "unknown" for a checkpoint
+directory). Alone, once listening it prints its base URL and writes the ready file (JSON {role,
+pid, address, url, metrics}); SIGTERM / SIGINT stop it (uvicorn's graceful shutdown: open
+streams get a few seconds). Co-hosted, the router's ready file names it (`openai`: {address,
+url, metrics}); the router's drain lets its requests finish, then stops it (`Cohosted.stop`).
+
+Speed: uvicorn parses and writes with httptools (a declared dependency; a C parser and chunked
+writer instead of h11): the gateway's CPU per request fell ~25% (2.0-2.1 -> 1.6 ms) and per
+streamed token ~25-30%. uvloop measured no clear gain on top (per request 1.7-1.95 ms, per round
+within noise), so the loop stays asyncio's (co-hosted it is the router's anyway). Keep-alive
+connections stay open KEEPALIVE_S (uvicorn's default is 5 s): an agent's next turn comes back
+after its think time, and a reopened connection is a handshake in its TTFT.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 
@@ -29,6 +49,7 @@ import uvicorn
 
 from serving.openai.answer import Served
 from serving.openai.app import Gateway, create_app
+from serving.openai.local import LocalUpstream
 from serving.openai.upstream import Upstream
 
 SHUTDOWN_GRACE_S = 5
@@ -51,32 +72,90 @@ def served_model(name: str | None) -> tuple[Served, bool]:
     return Served(model, file_fingerprint(path) if kind == "gguf" else "unknown"), True
 
 
-def write_ready(path: str, address: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"role": "openai", "pid": os.getpid(), "address": address, "url": f"http://{address}/v1",
-                   "metrics": f"http://{address}/metrics"}, f)
-    os.replace(tmp, path)
+class _Server(uvicorn.Server):
+    """uvicorn on a loop it shares (the router's): the host process keeps its own signal handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
 
 
-async def serve(router: str, host: str, port: int, model: str | None, ready_file: str | None = None,
-                default_max_tokens: int = 256, request_timeout: float | None = 600.0) -> None:
-    served, check = served_model(model)
-    gw = Gateway(Upstream(router), served, check_model=check, default_max_tokens=default_max_tokens,
-                 request_timeout=request_timeout)
+async def _listen(gw: Gateway, host: str, port: int, server_class=uvicorn.Server, **config):
+    """uvicorn serving the gateway's app on this loop -> (server, its task, "host:port" bound)."""
     config = uvicorn.Config(create_app(gw), host=host, port=port, loop="asyncio", http="httptools",
                             log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-                            timeout_keep_alive=KEEPALIVE_S)
-    server = uvicorn.Server(config)
+                            timeout_keep_alive=KEEPALIVE_S, **config)
+    server = server_class(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
             task.result()  # uvicorn could not start (e.g. the port is taken)
             raise OSError(f"cannot listen on {host}:{port}")
         await asyncio.sleep(0.05)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    address = f"{host}:{bound}"
+    return server, task, f"{host}:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
+def urls(address: str) -> dict:
+    return {"address": address, "url": f"http://{address}/v1", "metrics": f"http://{address}/metrics"}
+
+
+def plaintext_problem(host: str, insecure: bool) -> str | None:
+    """The HTTP side has no TLS of its own: off loopback, API keys would cross in plaintext."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback or insecure:
+        return None
+    return (f"refusing to serve the OpenAI gateway in plaintext on {host}: requests carry the router's token; "
+            "listen on a loopback address behind a TLS proxy, or pass --insecure")
+
+
+def write_ready(path: str, address: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"role": "openai", "pid": os.getpid(), **urls(address)}, f)
+    os.replace(tmp, path)
+
+
+async def serve(router: str, host: str, port: int, model: str | None, ready_file: str | None = None,
+                default_max_tokens: int = 256, request_timeout: float | None = 600.0) -> None:
+    """A gateway process in front of the router at `router` (over gRPC)."""
+    served, check = served_model(model)
+    gw = Gateway(Upstream(router), served, check_model=check, default_max_tokens=default_max_tokens,
+                 request_timeout=request_timeout)
+    server, task, address = await _listen(gw, host, port)
     if ready_file:
         write_ready(ready_file, address)
     print(f"pddjax openai serving on http://{address}/v1 (router {router}, model {served.name})", flush=True)
     await task
+
+
+@dataclasses.dataclass
+class Cohosted:
+    """The gateway on the router's loop (`pddjax serve router --openai-port N`)."""
+
+    server: uvicorn.Server
+    task: asyncio.Task
+    upstream: LocalUpstream
+    address: str
+
+    async def stop(self, drain_s: float) -> None:
+        """After the router's Gate drains: the gateway's requests finish (up to drain_s), then uvicorn stops."""
+        await self.upstream.wait_idle(drain_s)
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_cohosted(gate, router_address: str, host: str, port: int, model: str | None, token: str | None,
+                         default_max_tokens: int = 256, request_timeout: float | None = 600.0) -> Cohosted:
+    """The gateway's HTTP port opened on this (the router's) loop, its upstream the router's
+    Generate in memory (local.LocalUpstream: `gate` answers 503 until the router serves)."""
+    served, check = served_model(model)
+    upstream = LocalUpstream(gate, router_address, token)
+    gw = Gateway(upstream, served, check_model=check, default_max_tokens=default_max_tokens,
+                 request_timeout=request_timeout)
+    server, task, address = await _listen(gw, host, port, _Server, log_config=None)
+    return Cohosted(server, task, upstream, address)

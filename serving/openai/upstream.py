@@ -1,5 +1,6 @@
-"""The gateway's side of the router: one gRPC channel (TLS from the environment, like every
-client: serving/security.py), the streaming Generate, grpc.health.v1 and Stats.
+"""The gateway's side of a router on another host (`pddjax serve openai --router`; in the
+router's own process it is local.LocalUpstream): one gRPC channel (TLS from the environment,
+like every client: serving/security.py), the streaming Generate, grpc.health.v1 and Stats.
 
 The client's `Authorization: Bearer ...` header is passed on as the call's metadata and never
 replaced: the router's token is the API key, and a client without one gets the router's

@@ -5,19 +5,22 @@ the measured estimates and the counters):
     answers UNAVAILABLE leaves the rotation and, like a full one (RESOURCE_EXHAUSTED), is
     skipped for the next;
   - `plan`: P and (unless pd-cross was asked) RLD, the session's MD (unless pd-local was
-    asked), the prefix hits of P and MD (chained page hashes, no tokens move) and, for `auto`,
-    the policy's decision from those hits, the link's measured throughput and queue (waiting,
-    boundedly, for the MD's first link probe), RLD's measured speed, the filtered share and the
-    session's history; counted and explained (with the link estimate's source and age);
+    asked), the prefix hits of P and MD (chained page hashes, no tokens move; both asked at
+    once) and, for `auto`, the policy's decision from those hits, the link's measured
+    throughput and queue (waiting, boundedly, for the MD's first link probe), RLD's measured
+    speed, the filtered share and the session's history; counted and explained (with the link
+    estimate's source and age);
   - `reserve`: Reserve on MD (pins its DRC prefix; a full or gone MD: the next one; every MD
     full or gone: an `auto` request with an RLD goes pd-local, reason main-full /
-    main-unavailable) and on RLD (its own prefix hit); the instances used are held;
+    main-unavailable) and on RLD (its own prefix hit; beside MD's for `auto`, whose MD never
+    waits for pages); the instances used are held;
   - `learn`: what a finished request teaches (RLD's speed, the session's output length, which
     instances hold the session's context).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 import grpc
@@ -88,14 +91,22 @@ class Chooser:
             return m.matched_tokens
 
         asked = r.requested
-        try:
-            r.prefill, r.hit_prefill = await self.pick("prefill", r.session, hit)
+        try:  # P's and MD's prefix matches at once (one round trip, not two); P's error comes first
+            picks = [self.pick("prefill", r.session, hit)]
             if asked != common_pb2.PIPELINE_PD_LOCAL:
-                try:
-                    r.main_choice, r.hit_main = await self.pick("main", r.session, hit, sticky=True)
-                except pools.NoInstance:
-                    if asked != common_pb2.PIPELINE_AUTO:
-                        raise
+                picks.append(self.pick("main", r.session, hit, sticky=True))
+            got = await asyncio.gather(*picks, return_exceptions=True)
+            for res in got:
+                if isinstance(res, BaseException) and not isinstance(res, Exception):
+                    raise res  # cancelled
+            if isinstance(got[0], Exception):
+                raise got[0]
+            r.prefill, r.hit_prefill = got[0]
+            if len(got) > 1:
+                if not isinstance(got[1], Exception):
+                    r.main_choice, r.hit_main = got[1]
+                elif not isinstance(got[1], pools.NoInstance) or asked != common_pb2.PIPELINE_AUTO:
+                    raise got[1]
             if asked != common_pb2.PIPELINE_PD_CROSS:
                 r.relay, _ = await self.pick("relay", r.session)
         except pools.NoInstance as e:
@@ -185,6 +196,13 @@ class Chooser:
 
         for inst in [r.prefill] + ([r.relay] if r.uses_relay else []):
             r.hold(inst)
+        # auto pdd: MD answers at once (it never waits for pages), so RLD's Reserve runs beside it
+        # (RLD is served either way: pdd, or pd-local if every MD is full). An explicit pdd keeps
+        # MD first: both wait for pages then, and holding RLD while waiting for MD could deadlock.
+        relay = asyncio.ensure_future(reserve_on(r.relay)) if (
+            r.uses_main and r.uses_relay and r.requested == common_pb2.PIPELINE_AUTO) else None
+        if relay is not None:
+            relay.add_done_callback(lambda t: t.cancelled() or t.exception())  # read even if MD's error won
         try:
             if r.uses_main:
                 try:  # a full or gone MD: the least-loaded other one
@@ -197,11 +215,14 @@ class Chooser:
                 else:
                     r.hold(r.main)
             if r.uses_relay:  # RLD's own prefix cache (sessions stick to their RLD): P sends only the rest
-                r.cached_relay = await reserve_on(r.relay)
+                r.cached_relay = await (relay or reserve_on(r.relay))
         except pools.NoInstance as e:
             raise Abort(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except grpc.aio.AioRpcError as e:
             raise from_rpc(e, "reserve") from None
+        finally:
+            if relay is not None and not relay.done():
+                relay.cancel()  # failed or cancelled before it was awaited: RLD is released with the rest
 
     def _fall_back_local(self, r: Request, e: grpc.aio.AioRpcError) -> bool:
         """Every MD is full or gone: an `auto` request that has an RLD is served pd-local instead

@@ -124,6 +124,7 @@ class Request:
     relay_pump: object = None  # decode_streams.Subscription: RLD's tokens into relay_out (pdd, pd-local)
     relay_released: bool = False  # RLD answered the Release sent when the stream moved to MD
     prefill_task: asyncio.Task | None = None  # P's events (transfer.Transfers._prefill)
+    prefill_done: Instance | None = None  # the P whose Prefill call ended OK: its handler freed all (no Release)
     tasks: list = dataclasses.field(default_factory=list)  # asyncio.Task | Subscription: cancelled when it ends
 
     # ---- the output (stream) ----

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import sys
 
@@ -116,6 +117,27 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self.m.failed(e.code.name, e.stage or r.stage)
             await context.abort(e.code, pools.public_text(e.message, self._instances()))
         except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+            self.m.failed("DEADLINE_EXCEEDED" if r.deadline.expired(slack_s=0.2) else "CANCELLED", r.stage)
+            raise
+        finally:
+            if r.admitted:
+                self.admission.leave()
+
+    async def generate_local(self, request: router_pb2.GenerateRequest, timeout_s: float | None):
+        """Generate for a caller in this process (the co-hosted OpenAI gateway,
+        serving/openai/local.py), without gRPC: the same stages, metrics and release; a refusal
+        raises the grpc.aio.AioRpcError a gRPC client would get; closing or cancelling the
+        generator is the client's cancel (its deadline: the caller's timer, `timeout_s` here)."""
+        r = Request(deadline=Deadline(self.s.default_deadline_s if timeout_s is None else timeout_s))
+        try:
+            async with contextlib.aclosing(self._generate(request, r)) as messages:  # closed now, not at GC
+                async for msg in messages:
+                    yield msg
+        except (Abort, Refused) as e:
+            self.m.failed(e.code.name, e.stage or r.stage)
+            text = pools.public_text(e.message, self._instances())
+            raise grpc.aio.AioRpcError(e.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=text) from None
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away, or its deadline passed
             self.m.failed("DEADLINE_EXCEEDED" if r.deadline.expired(slack_s=0.2) else "CANCELLED", r.stage)
             raise
         finally:

@@ -12,8 +12,9 @@ estimates, the counters and the metrics):
     failed (`recovery`: a failed RLD push -> MD takes over, a failed MD push -> counted, RLD
     finishes or pd-cross fails), MD's KV landing -> RLD's `_handoff` (pdd), a P that fails
     mid-request replaced and only the KV that has not arrived pushed again;
-  - `release`: every tier the request touched, after (if the user's stream already ended) the
-    push that still fills MD's DRC, with the link booking settled;
+  - `release`: every tier the request touched (but a P whose Prefill call ended OK: it freed
+    the request itself), after (if the user's stream already ended) the push that still fills
+    MD's DRC, with the link booking settled;
   - `sync_main`: a filtered turn's context pushed to MD afterwards, one sync at a time.
 """
 
@@ -99,6 +100,7 @@ class Transfers:
                             continue
                         reported.add(ev.transfer_done.role)
                         self._transfer_done(r, ev.transfer_done)
+                    r.prefill_done = prefill  # its handler's end freed the request on P: no Release needed
                     return
                 except grpc.aio.AioRpcError as e:
                     left = [t for t in preq.targets if t.role not in reported]
@@ -161,7 +163,8 @@ class Transfers:
 
     async def release(self, r: Request, pending: asyncio.Task | None = None) -> None:
         """Releases every tier `r` touched (idempotent on theirs), after `pending` (P's push still
-        filling MD's DRC) finished or `background_timeout_s` passed."""
+        filling MD's DRC) finished or `background_timeout_s` passed. A P whose Prefill call ended
+        OK is not asked: its handler freed the request when the call ended (one RPC less per request)."""
         if pending is not None:
             try:
                 await asyncio.wait_for(pending, timeout=self.background_timeout_s)
@@ -171,7 +174,8 @@ class Transfers:
             r.link.done(r.planned, 0, 0.0, ok=False)
             r.link_done = True
         req = cluster_pb2.ReleaseRequest(request_id=r.rid, cache=True, cancel=True)
-        insts = [i for i in r.touched() if not (r.relay_released and i is r.relay)]  # RLD freed at the switch
+        insts = [i for i in r.touched() if not (r.relay_released and i is r.relay)  # RLD freed at the switch
+                 and i is not r.prefill_done]  # P freed it when its Prefill call ended OK
         await asyncio.gather(*(pools.stub(i).Release(req) for i in insts), return_exceptions=True)
 
     async def sync_main(self, r: Request) -> None:

@@ -1,7 +1,7 @@
 """`pddjax up --netns`: the stack as two hosts on this machine (serving/stack/netns.py).
 
 Cluster A's namespace runs P and RLD (on its loopback), the router (every address of A, so
-this host reaches it at netns.HOST_A) and the OpenAI gateway (on HOST_A); cluster B's runs MD
+this host reaches it at netns.HOST_A) with the OpenAI gateway in its process (on HOST_A); cluster B's runs MD
 on netns.WAN_B. P's KV and RLD's handoffs to MD, and the router's RPCs to MD, cross the shaped
 WAN veth pair. The bandwidth is the kernel's (tbf); the latency too where the kernel has netem,
 else a userspace link (`python -m serving.stack.netns_up link`, in cluster A, latency only) sits
@@ -22,9 +22,18 @@ import subprocess
 import sys
 import tempfile
 
-from serving.config import ENGINE_ROLES, service_config
+from serving.config import ENGINE_ROLES
 from serving.stack import netns
-from serving.stack.up import Child, openai_state, spawn, stop_all, supervise_until_stopped, wait_ready, write_json
+from serving.stack.up import (
+    Child,
+    cohosted_openai_args,
+    openai_state,
+    spawn,
+    stop_all,
+    supervise_until_stopped,
+    wait_ready,
+    write_json,
+)
 
 
 def cluster_stack(stack: dict) -> dict:
@@ -41,15 +50,6 @@ def spawn_link(topo: netns.Topology, target: str, latency_ms: float, workdir: st
     env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
     return Child("wan", proc, ready, cmd, env, log)
-
-
-def spawn_gateway(topo: netns.Topology, router_port: str, port: int, workdir: str, log, stack: dict) -> Child:
-    ready = os.path.join(workdir, "openai.ready.json")
-    cmd = [*topo.wrap("a"), sys.executable, "-m", "pddjax", "serve", "openai", "--router", f"127.0.0.1:{router_port}",
-           "--host", netns.HOST_A, "--port", str(port), "--model", service_config(stack, "router").model,
-           "--insecure", "--ready-file", ready]
-    env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
-    return Child("openai", subprocess.Popen(cmd, stdout=log, stderr=log, env=env), ready, cmd, env, log)
 
 
 async def run_netns_stack(stack: dict, port: int, state_file: str | None, instances: tuple[int, int, int] = (1, 1, 1),
@@ -90,30 +90,30 @@ async def run_netns_stack(stack: dict, port: int, state_file: str | None, instan
                                       "main": addr["main"], "main_wan": wan_addrs}}
         rcfg = os.path.join(workdir, "router.json")
         write_json(rcfg, rstack)
-        router = spawn("router", rcfg, workdir, port=port, log=log, wrap=topo.wrap("a"))
+        router = spawn("router", rcfg, workdir, port=port, log=log, wrap=topo.wrap("a"),
+                       args=cohosted_openai_args(openai_port, netns.HOST_A))  # the gateway in the router's process
         children.append(router)
         await wait_ready([router], timeout=120)
         router_port = router.address.rsplit(":", 1)[1]
         public = f"{netns.HOST_A}:{router_port}"
-        gateway = spawn_gateway(topo, router_port, openai_port, workdir, log, rstack)
-        children.append(gateway)
-        await wait_ready([gateway], timeout=120)
+        gateway = openai_state(router)
 
         def state():
             where = {"prefill": topo.a, "relay": topo.a, "router": topo.a, "wan": topo.a, "main": topo.b}
             return {"services": [{"role": c.role, "pid": c.proc.pid, "address": c.address, "metrics": c.metrics,
-                                  "netns": where[c.role]} for c in children if c.role != "openai"],
+                                  "netns": where[c.role]} for c in children],
                     "router": public, "wan": {"address": wan_addrs[0], "target": addr["main"][0], "mbps": mbps,
                                               "latency_ms": latency_ms},
                     "netns": {**topo.state(), "counters_a": topo.counters("a")}, "log": log.name,
-                    **openai_state(gateway), "tls_dir": os.environ.get("PDDJAX_TLS_DIR")}
+                    **gateway, "openai_service": {**gateway["openai_service"], "pid": router.proc.pid},
+                    "tls_dir": os.environ.get("PDDJAX_TLS_DIR")}
 
         if state_file:
             write_json(state_file, state())
         counts = ", ".join(f"{n} {r}" for r, n in zip(ENGINE_ROLES, instances))
         print(f"pddjax up --netns: router on {public} ({counts}); cluster A = netns {topo.a} (P, RLD, router, "
               f"gateway), cluster B = netns {topo.b} (MD); {topo.describe()}", flush=True)
-        print(f"pddjax up --netns: OpenAI-compatible API on http://{gateway.address}/v1", flush=True)
+        print(f"pddjax up --netns: OpenAI-compatible API on {gateway['openai']} (in the router's process)", flush=True)
         return await supervise_until_stopped(stop, children, state_file, state)
     finally:
         stop_all(children)

@@ -160,12 +160,21 @@ async def listen(cfg: ServiceConfig) -> Listening:
     return Listening(server, hs, names, gate, metrics, f"{cfg.host}:{port}")
 
 
-async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
+async def serve(cfg: ServiceConfig, ready_file: str | None = None, openai: dict | None = None) -> None:
+    """`openai` (the router only; {host, port, default_max_tokens}): the OpenAI gateway served in
+    this process too (serving/openai/server.start_cohosted), its port open (503) while loading."""
     security.set_identity(cfg.role)  # the certificate this process dials its peers with
     lst = await listen(cfg)
     server, hs, names, gate, metrics, address = lst.server, lst.health, lst.names, lst.gate, lst.metrics, lst.address
     health_port = await probes.open_health_port(hs, cfg.host)  # PDDJAX_HEALTH_PORT: kubelet's plaintext probe
     metrics_url = metrics.serve_http(cfg.host, probes.metrics_port())
+    gateway = None
+    if openai is not None:
+        from serving.openai.server import start_cohosted, urls
+
+        gateway = await start_cohosted(gate, address, openai["host"], openai["port"], cfg.model,
+                                       security.router_token(), openai.get("default_max_tokens", 256))
+        print(f"pddjax {cfg.role} OpenAI-compatible API on http://{gateway.address}/v1", flush=True)
     print(f"pddjax {cfg.role} loading on {address} (metrics {metrics_url})", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -187,13 +196,16 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None) -> None:
     if ready_file:
         tmp = ready_file + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"role": cfg.role, "pid": os.getpid(), "address": address, "metrics": metrics_url}, f)
+            json.dump({"role": cfg.role, "pid": os.getpid(), "address": address, "metrics": metrics_url,
+                       **({"openai": urls(gateway.address)} if gateway else {})}, f)
         os.replace(tmp, ready_file)
     print(f"pddjax {cfg.role} serving on {address}", flush=True)
     await stop.wait()
     gate.drain()  # new RPCs: UNAVAILABLE; in-flight ones finish
     await rpc.set_serving(hs, names, False)
     await gate.wait_idle(DRAIN_SECONDS)
+    if gateway is not None:  # its requests drained with the RPCs (the Gate refuses new ones: 503)
+        await gateway.stop(DRAIN_SECONDS)
     await server.stop(grace=2)
     if health_port is not None:
         await health_port.stop(grace=0)

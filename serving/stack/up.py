@@ -7,9 +7,10 @@ config, start the P, RLD, MD instances (`pddjax serve ROLE`), wait for their rea
 start the links, start the router (given every address: MD's `main` and, as `main_wan`, its
 link's; the router is not told the link's rate unless `[router] wan_mbps` or
 `--wan-capacity-mbps` says so: it probes the link it is given, as in a real deployment), start
-the OpenAI-compatible gateway in front of it (`start_openai`, --openai-port), write the state file
+the OpenAI-compatible gateway with it, in the router's process (`serve router --openai-port`,
+`up --openai-port`), write the state file
   {"services": [{"role", "pid", "address", "metrics" (its /metrics URL)}], "wan": {...}, "wans": [...],
-   "router": ADDRESS, "openai": "http://HOST:PORT/v1", "openai_service": {"pid", "address", "metrics"},
+   "router": ADDRESS, "openai": "http://HOST:PORT/v1", "openai_service": {"pid" (the router's), "address", "metrics"},
    "tls_dir": the TLS directory or null (clients need its ca.pem)}
 P may push KV only to RLD and the links (`[prefill] kv_peers_file`, written once they listen).
 (`wan` is the first MD's link; byte counters refreshed every second), print the router
@@ -67,12 +68,12 @@ class Child:
 
 
 def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, name: str | None = None,
-          cpus: list[int] | None = None, wrap: list[str] | None = None) -> Child:
-    """Start `pddjax serve ROLE` (pinned to `cpus` if given; behind `wrap`, e.g. `ip netns exec NS`
+          cpus: list[int] | None = None, wrap: list[str] | None = None, args: tuple[str, ...] = ()) -> Child:
+    """Start `pddjax serve ROLE [args]` (pinned to `cpus` if given; behind `wrap`, e.g. `ip netns exec NS`
     for `up --netns`: serving/stack/netns.py); its address comes via the ready file."""
     ready = os.path.join(workdir, f"{name or role}.ready.json")
     cmd = [*(wrap or []), sys.executable, "-m", "pddjax", "serve", role, "--config", config_path, "--port", str(port),
-           "--ready-file", ready]
+           "--ready-file", ready, *args]
     env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
     if cpus:
         env["PDDJAX_CPUS"] = ",".join(map(str, cpus))
@@ -153,18 +154,18 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
                                       "main": addr["main"], "main_wan": wan_addrs}}
         rcfg = os.path.join(workdir, "router.json")
         write_json(rcfg, rstack)
-        router = spawn("router", rcfg, workdir, port=port, log=log)
+        router = spawn("router", rcfg, workdir, port=port, log=log, args=cohosted_openai_args(openai_port))
         children.append(router)
         await wait_ready([router], timeout=120)
-        gateway = await start_openai(router.address, openai_port, workdir, log, rstack)
-        children.append(gateway)
+        gateway = openai_state(router)
         link = links[0]
 
         def state():
             wans = [{"address": w, "target": a, **lk.stats()} for w, a, lk in zip(wan_addrs, addr["main"], links)]
             return {"services": [{"role": c.role, "pid": c.proc.pid, "address": c.address, "metrics": c.metrics}
-                                 for c in children if c.role != "openai"],
-                    "router": router.address, "wan": wans[0], "wans": wans, "log": log.name, **openai_state(gateway),
+                                 for c in children],
+                    "router": router.address, "wan": wans[0], "wans": wans, "log": log.name, **gateway,
+                    "openai_service": {**gateway["openai_service"], "pid": router.proc.pid},  # after a restart too
                     "tls_dir": os.environ.get("PDDJAX_TLS_DIR")}
 
         if state_file:
@@ -173,7 +174,7 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
         print(f"pddjax up: router on {router.address} ({counts}; WAN link {wan_addrs[0]} -> MD {addr['main'][0]}, "
               f"{link.mbps or 'unlimited'} Mb/s, {link.latency_ms} ms, KV wire "
               f"{stack.get('router', {}).get('kv_wire') or wan.get('kv_wire', 'native')})", flush=True)
-        print(f"pddjax up: OpenAI-compatible API on http://{gateway.address}/v1", flush=True)
+        print(f"pddjax up: OpenAI-compatible API on {gateway['openai']} (in the router's process)", flush=True)
         return await supervise_until_stopped(stop, children, state_file, state)
     finally:
         for lk in links:
@@ -184,27 +185,22 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
             os.remove(state_file)
 
 
-# ---- the OpenAI-compatible HTTP gateway (serving/openai) in front of the router ----------
-async def start_openai(router_address: str, port: int, workdir: str, log, stack: dict) -> Child:
-    """`pddjax serve openai` for the ready router (its model named, so responses carry the
-    weights' fingerprint); returns once it listens (its address from the ready file)."""
-    from serving.config import service_config
-
-    cfg = service_config(stack, "router")
-    ready = os.path.join(workdir, "openai.ready.json")
-    cmd = [sys.executable, "-m", "pddjax", "serve", "openai", "--router", router_address, "--host", cfg.host,
-           "--port", str(port), "--model", cfg.model, "--ready-file", ready, *(["--insecure"] if cfg.insecure else [])]
-    env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
-    proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=log or None, env=env)
-    gateway = Child("openai", proc, ready, cmd, env, log)
-    await wait_ready([gateway], timeout=120)
-    return gateway
+# ---- the OpenAI-compatible HTTP gateway (serving/openai), in the router's process ---------
+def cohosted_openai_args(port: int, host: str | None = None) -> tuple[str, ...]:
+    """`pddjax serve router`'s flags for the co-hosted gateway (its host: the router's unless given)."""
+    return ("--openai-port", str(port), *(("--openai-host", host) if host else ()))
 
 
-def openai_state(gateway: Child) -> dict:
-    """The state file's `openai` (base URL) and `openai_service` (pid, address, metrics)."""
-    return {"openai": f"http://{gateway.address}/v1",
-            "openai_service": {"pid": gateway.proc.pid, "address": gateway.address, "metrics": gateway.metrics}}
+def openai_state(router: Child) -> dict:
+    """The state file's `openai` (base URL) and `openai_service` (pid, address, metrics: the
+    router's process) from the ready router's ready file. Its port is pinned in the router's
+    command, so a restarted router serves the gateway where clients know it."""
+    with open(router.ready_file) as f:
+        gw = json.load(f)["openai"]
+    if router.cmd is not None and "--openai-port" in router.cmd:
+        router.cmd[router.cmd.index("--openai-port") + 1] = gw["address"].rsplit(":", 1)[1]
+    return {"openai": gw["url"], "openai_service": {"pid": router.proc.pid, "address": gw["address"],
+                                                    "metrics": gw["metrics"]}}
 
 
 async def supervise_until_stopped(stop: asyncio.Event, children: list, state_file: str | None, state) -> int:
