@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from serving.bench import serving_figures
 from serving.bench import serving_load as sl
 
 pytestmark = pytest.mark.timeout(600)
@@ -41,6 +42,29 @@ def test_burst_figures_time_and_exactness():
     assert not wrong["exact"] and wrong["mismatched"] == [1]
     failed = sl.burst_figures(10.0, [a, sl.Stream(error="RESOURCE_EXHAUSTED: full")], [[5, 6, 7, 8], [1]])
     assert not failed["exact"] and failed["errors"] == {"RESOURCE_EXHAUSTED": 1} and failed["completed"] == 1
+
+
+def test_a_mismatch_at_a_float_tie_is_told_apart_from_a_wrong_token(tiny):
+    """The pdd 64-burst's prompt 30 (seed tag 1010) has a 1.2e-6 logit gap between its top two
+    tokens at output position 15 (session 8: one batched run took the other one). A stream that
+    took the runner-up there is a near-tie; one wrong where the gap is wide is not."""
+    import numpy as np
+
+    from pddjax.engines.reference import ReferenceEngine
+    from pddjax.model.sampling_params import GREEDY
+
+    prompt = sl.make_prompts(1010, 64, 32, tiny.config.vocab_size)[30]
+    steps = list(ReferenceEngine(tiny.config, tiny.weights).stream(prompt, GREEDY, 17, stop_ids=(), return_logits=True))
+    ref = [t for t, _ in steps]
+    runner_up = int(np.argsort(steps[15][1])[-2])
+    tie = ref[:15] + [runner_up, 1]  # took the other side of the tie, then went its own way
+    wrong = ref[:16] + [(ref[16] + 1) % tiny.config.vocab_size]  # position 16: a wide gap
+    gaps = [0.01] * 17
+    fig = sl.burst_figures(0.0, [stream(0.0, gaps, [1] * 17, t) for t in (ref, tie, wrong)], [ref] * 3)
+    assert fig["diverged_at"] == [[1, 15], [2, 16]]
+    sl.explain_mismatches(fig, tiny, [prompt] * 3)
+    (_, _, tie_gap), (_, _, wide_gap) = fig["mismatch_margins"]
+    assert tie_gap < serving_figures.TIE_MARGIN < wide_gap and fig["near_ties"] == 1 and not fig["exact"]
 
 
 def test_page_wait_delta_counts_only_the_burst():

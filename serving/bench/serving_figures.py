@@ -37,6 +37,8 @@ def burst_figures(t0: float, recs: list[Stream], refs: list[list[int]]) -> dict:
     end = max((r.times[-1] for r in ok), default=t0)
     out_tokens = sum(len(r.tokens) for r in ok)
     mismatched = [i for i, (r, ref) in enumerate(zip(recs, refs)) if r.error is None and r.tokens != ref]
+    diverged = [[i, next((k for k, (a, b) in enumerate(zip(recs[i].tokens, refs[i])) if a != b),
+                         min(len(recs[i].tokens), len(refs[i])))] for i in mismatched[:8]]
     errors: dict[str, int] = {}
     for r in recs:
         if r.error:
@@ -50,7 +52,38 @@ def burst_figures(t0: float, recs: list[Stream], refs: list[list[int]]) -> dict:
             "max_gap_ms": pct(gaps), "e2e_ms": pct([1e3 * (r.times[-1] - t0) for r in ok]),
             "tokens_per_message": round(out_tokens / max(1, sum(len(r.sizes) for r in ok)), 2),
             "main_token_share": round(sum(r.main_tokens for r in ok) / out_tokens, 4) if out_tokens else 0.0,
-            "exact": not mismatched and len(ok) == len(recs), "mismatched": mismatched[:8]}
+            "exact": not mismatched and len(ok) == len(recs), "mismatched": mismatched[:8],
+            "diverged_at": diverged}  # [[request, first differing output position]]
+
+
+TIE_MARGIN = 1e-4  # logits: a top-1 / top-2 gap this small flips with the order of a float32 sum
+
+
+def explain_mismatches(fig: dict, model, prompts: list[list[int]]) -> None:
+    """For each mismatched stream: the reference's top-1 minus top-2 logit at the position where
+    it diverged -> fig["mismatch_margins"] [[request, position, margin]] and fig["near_ties"] (how
+    many diverged at a margin < TIE_MARGIN: a batched step sums in another order than the dense
+    reference, so an exact float tie can go either way; any other mismatch is a bug)."""
+    if not fig.get("diverged_at"):
+        return
+    import numpy as np
+
+    from pddjax.engines.reference import ReferenceEngine
+    from pddjax.model.sampling_params import GREEDY
+
+    ref, margins = ReferenceEngine(model.config, model.weights), []
+    for i, pos in fig["diverged_at"]:
+        for k, (_, logits) in enumerate(ref.stream(prompts[i], GREEDY, pos + 1, stop_ids=(), return_logits=True)):
+            if k == pos:
+                top = np.sort(logits)[-2:]  # [2]
+                margins.append([i, pos, float(top[1] - top[0])])
+    fig["mismatch_margins"] = margins
+    fig["near_ties"] = sum(m < TIE_MARGIN for _, _, m in margins)
+
+
+def _exact(f: dict) -> str:
+    ties = f" ({f['near_ties']} at a near-tie)" if f.get("near_ties") else ""
+    return f"{f['exact']}{ties}"
 
 
 def scrape_router(url: str | None) -> dict:
@@ -128,7 +161,7 @@ def markdown(res: dict) -> str:
             itl = f"{f['itl_ms']['p50']} / {f['itl_ms']['p99']}"
             lines.append(f"| {p} | {n} | {f['tokens_per_s']} | {e} | {res['ratios'][p][n]} | {_pp(f['ttft_ms'])} | "
                          f"{itl} | {f['max_gap_ms']['max']} | {_pp(f['e2e_ms'])} | "
-                         f"{f['exact']} ({f['completed']}/{f['streams']}) | {f['tokens_per_message']} |")
+                         f"{_exact(f)} ({f['completed']}/{f['streams']}) | {f['tokens_per_message']} |")
     if "pdd_over_pd_local" in res["ratios"]:
         lines.append(f"\npdd / pd-local tokens/s: {res['ratios']['pdd_over_pd_local']}")
     lines += ["", "CPU us per output token (the engine alone: 1e6 / its decode tok/s):"]
@@ -143,7 +176,7 @@ def markdown(res: dict) -> str:
         for p, per in res["burst"].items():
             for n, f in per.items():
                 waits = ", ".join(f"{t} {w['waited']}/{w['count']} {w['mean_s']}" for t, w in f["page_wait"].items())
-                lines.append(f"| {n} | {p} | {f['max_tokens']} | {f['completed']}/{f['streams']} | {f['exact']} | "
+                lines.append(f"| {n} | {p} | {f['max_tokens']} | {f['completed']}/{f['streams']} | {_exact(f)} | "
                              f"{f['refused']} | {_pp(f['ttft_ms'])} | {_pp(f['e2e_ms'])} | {waits or '-'} |")
     lines.append(f"\nload average before / after: {res['load_avg']['before']} / {res['load_avg'].get('after')}")
     return "\n".join(lines)

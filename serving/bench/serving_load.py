@@ -40,6 +40,7 @@ from serving.bench.serving_figures import (
     Stream,
     burst_figures,
     cpu_delta,
+    explain_mismatches,
     failures_delta,
     markdown,
     page_wait_delta,
@@ -140,6 +141,7 @@ class EngineAlone:
     def __init__(self, model, ecfg, args, vocab: int, cpus):
         from pddjax.engines.paged_engine import PagedEngine
 
+        self.model = model  # also the reference of explain_mismatches
         self.eng = PagedEngine(model.config, model.weights, model.fingerprint, ecfg)
         self.args, self.vocab, self.cpus, self.runs = args, vocab, cpus, 0
 
@@ -299,6 +301,7 @@ def measure(args, stack, alone, streams, plan, refs, burst_plan, burst_refs, res
         c0, cpu0 = compiles.read(engines), stack.cpu_s()
         t0, recs = send_burst(stack.router, prompts, args.max_tokens, p, f"{p}-{n}")
         fig = burst_figures(t0, recs, refs[(p, n)])
+        explain_mismatches(fig, alone.model, prompts)
         fig["cpu_s"], fig["compiles"] = cpu_delta(cpu0, stack.cpu_s()), compiles.during(c0, compiles.read(engines))
         fig["cpu_us_per_token"] = per_token(fig["cpu_s"], fig["output_tokens"])  # beside the engine alone's 1e6 / tok/s
         fig["load_1m"] = round(os.getloadavg()[0], 2)
@@ -315,6 +318,7 @@ def measure(args, stack, alone, streams, plan, refs, burst_plan, burst_refs, res
         t0, recs = send_burst(stack.router, prompts, args.burst_tokens, p, f"burst-{p}-{n}")
         m1 = scrape_router(stack.router_child.metrics)
         fig = burst_figures(t0, recs, burst_refs[(p, n)])
+        explain_mismatches(fig, alone.model, prompts)
         fig["page_wait"], fig["router_failures"] = page_wait_delta(m0, m1), failures_delta(m0, m1)
         fig["load_1m"] = round(os.getloadavg()[0], 2)
         refused = "RESOURCE_EXHAUSTED"

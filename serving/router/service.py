@@ -56,6 +56,13 @@ from serving.router.stream import Output, expire
 from serving.router.transfer import Transfers
 
 
+class RouterRefusal(grpc.aio.AioRpcError):
+    """The router's refusal of a request (its status and one sentence), as a gRPC client gets it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, settings: RouterSettings, model_config, tokenizer):
         s = self.s = settings
@@ -110,33 +117,33 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         r = Request(deadline=Deadline.of(context, self.s.default_deadline_s))  # never unbounded
-        try:
-            async for msg in self._generate(request, r):
-                yield msg
-        except (Abort, Refused) as e:
-            self.m.failed(e.code.name, e.stage or r.stage)
-            await context.abort(e.code, pools.public_text(e.message, self._instances()))
-        except asyncio.CancelledError:  # the client cancelled, or its deadline passed
-            self.m.failed("DEADLINE_EXCEEDED" if r.deadline.expired(slack_s=0.2) else "CANCELLED", r.stage)
-            raise
-        finally:
-            if r.admitted:
-                self.admission.leave()
+        async with contextlib.aclosing(self._answered(request, r)) as messages:
+            try:
+                async for msg in messages:
+                    yield msg
+            except RouterRefusal as e:
+                await context.abort(e.code(), e.details())
 
-    async def generate_local(self, request: router_pb2.GenerateRequest, timeout_s: float | None):
+    def generate_local(self, request: router_pb2.GenerateRequest, timeout_s: float | None):
         """Generate for a caller in this process (the co-hosted OpenAI gateway,
         serving/openai/local.py), without gRPC: the same stages, metrics and release; a refusal
-        raises the grpc.aio.AioRpcError a gRPC client would get; closing or cancelling the
-        generator is the client's cancel (its deadline: the caller's timer, `timeout_s` here)."""
-        r = Request(deadline=Deadline(self.s.default_deadline_s if timeout_s is None else timeout_s))
+        raises the grpc.aio.AioRpcError a gRPC client would get (RouterRefusal); closing or
+        cancelling the generator is the client's cancel (its deadline: the caller's timer,
+        `timeout_s` here)."""
+        return self._answered(request, Request(deadline=Deadline(
+            self.s.default_deadline_s if timeout_s is None else timeout_s)))
+
+    async def _answered(self, request: router_pb2.GenerateRequest, r: Request):
+        """`_generate` as both entries serve it: a refusal counted and raised as RouterRefusal
+        (its text without instance addresses), a cancel or deadline counted, the admission slot
+        left however it ends."""
         try:
             async with contextlib.aclosing(self._generate(request, r)) as messages:  # closed now, not at GC
                 async for msg in messages:
                     yield msg
         except (Abort, Refused) as e:
             self.m.failed(e.code.name, e.stage or r.stage)
-            text = pools.public_text(e.message, self._instances())
-            raise grpc.aio.AioRpcError(e.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=text) from None
+            raise RouterRefusal(e.code, pools.public_text(e.message, self._instances())) from None
         except (asyncio.CancelledError, GeneratorExit):  # the client went away, or its deadline passed
             self.m.failed("DEADLINE_EXCEEDED" if r.deadline.expired(slack_s=0.2) else "CANCELLED", r.stage)
             raise
