@@ -38,11 +38,7 @@ class Gate:
         self.state = DRAINING
 
     async def wait_idle(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
+        return await wait_set(self._idle, timeout)
 
     async def _enter(self, context, method: str, request=None):
         if isinstance(request, _Malformed):
@@ -164,3 +160,12 @@ def gated_servicer(service_descriptor, gate: Gate):
                     failed = None
             methods[m.name] = unary
     return type(f"Gated{service_descriptor.name}", (), methods)()
+
+
+async def wait_set(event: asyncio.Event, timeout: float) -> bool:
+    """Whether `event` was set within `timeout` seconds (draining: nothing in flight any more)."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+        return True
+    except TimeoutError:
+        return False

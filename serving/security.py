@@ -188,9 +188,17 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith("/grpc.health.v1."):
             return handler
         got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
-            return handler
-        return _deny(handler, "missing or wrong bearer token" if got else "this router requires a bearer token")
+        refusal = bearer_refusal(got, self._expected)
+        return handler if refusal is None else _deny(handler, refusal)
+
+
+def bearer_refusal(got: str | bytes | None, expected: bytes) -> str | None:
+    """None if `got` (the Authorization value) is `expected` (b"Bearer <token>"; constant-time
+    compare), else the sentence a caller is refused with (UNAUTHENTICATED / 401)."""
+    got = got or b""
+    if hmac.compare_digest(got.encode() if isinstance(got, str) else got, expected):
+        return None
+    return "missing or wrong bearer token" if got else "this router requires a bearer token"
 
 
 def _deny(handler, message: str):

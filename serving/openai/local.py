@@ -23,11 +23,11 @@ serialized, written or read per token. The router is duck-typed (`gate.servicer`
 from __future__ import annotations
 
 import asyncio
-import hmac
 
 import grpc
 
-from serving.gate import LOADING, SERVING
+from serving import security
+from serving.gate import LOADING, SERVING, wait_set
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -56,10 +56,9 @@ class LocalUpstream:
         """What the router's port would answer before its handler runs (the bearer token, then
         the Gate), or None."""
         if self._expected is not None:
-            got = (authorization or "").encode()
-            if not hmac.compare_digest(got, self._expected):
-                return rpc_error(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token" if got
-                                 else "this router requires a bearer token")
+            refusal = security.bearer_refusal(authorization, self._expected)
+            if refusal is not None:
+                return rpc_error(grpc.StatusCode.UNAUTHENTICATED, refusal)
         if self.gate.state != SERVING:
             why = "the service is loading its model" if self.gate.state == LOADING else "the service is draining"
             return rpc_error(grpc.StatusCode.UNAVAILABLE, why)
@@ -80,11 +79,7 @@ class LocalUpstream:
 
     async def wait_idle(self, timeout: float) -> bool:
         """Every co-hosted request finished (the router drains them with its RPCs)."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
+        return await wait_set(self._idle, timeout)
 
     async def serving(self, timeout: float = 2.0) -> tuple[bool, str]:
         return self.gate.state == SERVING, "serving" if self.gate.state == SERVING else "not_serving"
