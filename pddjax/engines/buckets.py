@@ -158,3 +158,27 @@ def fit_row(members: list[Shape], tokens: int, rows: int, width: int, q: int, st
             if best == n:  # the whole row fits: no member can do better (a decode row: the first)
                 return n
     return best
+
+
+def pack_rows(members: list[Shape], pad_limit: float, pending: list, step_tokens: int, max_rows: int,
+              multi_first: bool, page_size: int, start_of=lambda row: 0) -> tuple[list, bool]:
+    """The rows of the next step, in `step_order`, each as many tokens as still fit a member
+    (`fit_row`), stopping at the first row that fits none or would pad the step past
+    `pad_limit` (`pads_past`) -> ([(row, tokens)], whether a multi-token row was left out: it
+    goes first next step). `pending`: objects with `num_pending`; `start_of(row)`: the KV
+    positions it already has (its page table width; the simulator has none: 0).
+    PagedEngine.step and the simulator's P (pddjax/sim/engine_prefill.py) both step by this."""
+    rows, budget, packed, width, q = [], step_tokens, 0, 0, 0  # the step so far: tokens, widest table, longest row
+    for row in step_order(pending, multi_first):
+        if len(rows) == max_rows or budget == 0:
+            break
+        start = start_of(row)
+        n = fit_row(members, packed, len(rows), width, q, start, min(row.num_pending, budget), page_size)
+        wider = max(width, -(-(start + n) // page_size))  # pages the step's widest row needs
+        decode_rows = n == 1 or bool(rows) and min(k for _, k in rows) == 1
+        if n == 0 or (rows and pads_past(members, pad_limit, len(rows) + 1, packed + n, wider, max(q, n),
+                                         decode_rows)):
+            return rows, not multi_first and row.num_pending > 1
+        rows.append((row, n))
+        budget, packed, q, width = budget - n, packed + n, max(q, n), wider
+    return rows, False

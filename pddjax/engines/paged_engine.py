@@ -185,26 +185,16 @@ class PagedEngine:
     def step(self, return_logits: bool = False):
         """Run one packed step over all sequences with pending tokens -> list[TokenEvent]
         (plus {seq_id: logits [V]} when return_logits)."""
-        rows, budget, S = [], self.config.max_step_tokens, self.config.page_size
+        S = self.config.page_size
         self.step_rows = None  # set once the rows are chosen: what a failing step fails
-        packed = width = q = 0  # the step so far: packed tokens, widest page table, longest row
-        multi_first, self._multi_first = self._multi_first, False
-        for seq in buckets.step_order([s for s in self.seqs.values() if s.num_pending], multi_first):
-            if len(rows) == self.config.max_rows or budget == 0:
-                break
-            start = seq.pages.num_tokens
-            n = buckets.fit_row(self.shapes, packed, len(rows), width, q, start, min(seq.num_pending, budget), S)
-            if n == 0 or (rows and self._pads_past(rows, packed + n, max(width, pages_needed(start + n, S)),
-                                                   max(q, n), n)):
-                self._multi_first = not multi_first and seq.num_pending > 1  # it goes first next step
-                break
-            rows.append((seq, n))
-            budget, packed, q = budget - n, packed + n, max(q, n)
-            width = max(width, pages_needed(start + n, S))
+        rows, self._multi_first = buckets.pack_rows(
+            self.shapes, self.config.pad_limit, [s for s in self.seqs.values() if s.num_pending],
+            self.config.max_step_tokens, self.config.max_rows, self._multi_first, S, lambda s: s.pages.num_tokens)
         if not rows:
             return ([], {}) if return_logits else []
         self.step_rows = [seq.seq_id for seq, _ in rows]  # the sequences a failing step fails
-        shape = buckets.fit(self.shapes, packed, len(rows), width, q)
+        width = max(pages_needed(seq.pages.num_tokens + n, S) for seq, n in rows)  # the widest page table
+        shape = buckets.fit(self.shapes, sum(n for _, n in rows), len(rows), width, max(n for _, n in rows))
         batch, sample_rows, greedy = self._build(rows, shape)
         sp = self._sampling_arrays(rows, shape[1])
         self.last_shape = (*shape, len(rows))
@@ -229,13 +219,6 @@ class PagedEngine:
             if seq.finish_reason and not seq.hold_on_finish:
                 self.release(seq.seq_id)
         return (events, row_logits) if return_logits else events
-
-    def _pads_past(self, rows, tokens: int, width: int, q: int, n: int) -> bool:
-        """Would one more row (of n tokens) pad the step's query block past pad_limit
-        (EngineConfig)? `buckets.pads_past`: B x Q of the member the step would take against
-        pad_limit x its tokens, MIXED_PAD (4) times that with decode rows in it (buckets.pads_past)."""
-        decode_rows = n == 1 or min(k for _, k in rows) == 1
-        return buckets.pads_past(self.shapes, self.config.pad_limit, len(rows) + 1, tokens, width, q, decode_rows)
 
     def _build(self, rows, shape: buckets.Shape):
         return step_batch.build(rows, shape, self.config.page_size)

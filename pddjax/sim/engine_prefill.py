@@ -6,7 +6,8 @@ What the real P does (serving/engine/prefill.py, engines/paged_engine.py):
   exported and streamed to the targets right away (a command on the engine thread);
 - every step packs the sequences with pending tokens, fewest pending first, up to
   `step_tokens` tokens and `max_rows` rows (a short high-hit prompt overtakes a cold one),
-  each row as many tokens as still fit a member of the engine's stated shape set
+  (`buckets.pack_rows`, the engine's own row chooser) each row as many tokens as still fit a
+  member of the engine's stated shape set
   (`buckets.fit_row`: a row joining others takes a mixed member, Q < T), stopping before a
   row that fits none or would pad the step's query block past `pad_limit` (`buckets.pads_past`:
   the member's B x Q against pad_limit x the step's tokens); a step that left a multi-token
@@ -55,25 +56,6 @@ def step_members(hc: HostConfig) -> list[buckets.Shape]:
     return buckets.bucket_set(config, types.SimpleNamespace(max_context=buckets.MIN_WIDTH * hc.page_size))
 
 
-def pack_step(members: list[buckets.Shape], pad_limit: float, jobs: list, step_tokens: int, max_rows: int,
-              multi_first: bool) -> tuple[list, bool]:
-    """The rows of P's next step, as `PagedEngine.step` forms them -> ([(job, tokens)], whether a
-    multi-token row was left out for padding: it goes first next step)."""
-    rows, budget, packed, q = [], step_tokens, 0, 0
-    wide = step_tokens * max(1, step_tokens)  # page tables not modelled: no row is too wide
-    for job in buckets.step_order(list(jobs), multi_first):
-        if len(rows) == max_rows or budget == 0:
-            break
-        n = buckets.fit_row(members, packed, len(rows), 0, q, 0, min(job.pending, budget), wide)
-        decode_rows = n == 1 or bool(rows) and min(k for _, k in rows) == 1
-        if n == 0 or (rows and buckets.pads_past(members, pad_limit, len(rows) + 1, packed + n, 0, max(q, n),
-                                                 decode_rows)):
-            return rows, not multi_first and job.pending > 1
-        rows.append((job, n))
-        budget, packed, q = budget - n, packed + n, max(q, n)
-    return rows, False
-
-
 class EnginePrefill:
     """One P instance; `submit(req, export_from)`; `on_chunk` per exported piece, `on_done` at the end."""
 
@@ -93,6 +75,7 @@ class EnginePrefill:
         self.n_steps = 0
         self.leases: set[str] = set()  # requests whose KV pushes P still holds pages for
         self.members = step_members(hc)
+        self._wide = hc.step_tokens * max(1, hc.step_tokens)  # page tables not modelled: no row is too wide
         self._multi_first = False  # the last step left a multi-token row out (buckets.step_order)
 
     # ---- queries ---------------------------------------------------------------------
@@ -142,8 +125,9 @@ class EnginePrefill:
             return
         if not self.jobs:
             return
-        rows, self._multi_first = pack_step(self.members, self.hc.pad_limit, self.jobs, self.hc.step_tokens,
-                                            self.hc.max_rows, self._multi_first)  # stable: ties in admission order
+        rows, self._multi_first = buckets.pack_rows(  # as PagedEngine.step (stable: ties in admission order)
+            self.members, self.hc.pad_limit, list(self.jobs), self.hc.step_tokens, self.hc.max_rows,
+            self._multi_first, self._wide)
         work = self.steps.step_s(chunks=[(n, j.upto + n) for j, n in rows])
         exported = sum(max(0, j.upto + n - max(j.upto, j.export_from)) for j, n in rows)
         work += self.hc.export_s_per_token * exported

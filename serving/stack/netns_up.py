@@ -28,8 +28,10 @@ from serving.stack.up import (
     Child,
     cohosted_openai_args,
     openai_state,
+    ready_unless_stopped,
     spawn,
     stop_all,
+    stop_on_signals,
     supervise_until_stopped,
     wait_ready,
     write_json,
@@ -59,10 +61,7 @@ async def run_netns_stack(stack: dict, port: int, state_file: str | None, instan
     topo = netns.create(mbps, latency_ms)
     workdir = tempfile.mkdtemp(prefix="pddjax-up-netns-")
     children: list[Child] = []
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     log = open(os.path.join(workdir, "services.log"), "ab")
     try:
         peers_file = os.path.join(workdir, "prefill-kv-peers.json")
@@ -72,12 +71,8 @@ async def run_netns_stack(stack: dict, port: int, state_file: str | None, instan
         write_json(cfg_path, stack)
         children = [spawn(r, cfg_path, workdir, log=log, name=f"{r}{k}", wrap=topo.wrap("b" if r == "main" else "a"))
                     for r, n in zip(ENGINE_ROLES, instances) for k in range(n)]
-        waiter = asyncio.create_task(wait_ready(children))
-        await asyncio.wait([waiter, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set():
-            waiter.cancel()
+        if not await ready_unless_stopped(children, stop):
             return 130
-        await waiter
         addr = {r: [c.address for c in children if c.role == r] for r in ENGINE_ROLES}
         wan_addrs = list(addr["main"])  # P -> MD straight over the veth, unless latency needs the userspace link
         if latency_ms and not topo.latency_by_kernel:
@@ -131,10 +126,7 @@ async def _link(target: str, latency_ms: float, port: int, ready_file: str) -> N
     link = WanLink(host, int(tport), 0.0, latency_ms)
     address = await link.start("127.0.0.1", port)
     write_json(ready_file, {"role": "wan", "pid": os.getpid(), "address": address})
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_on_signals().wait()
     await link.close()
 
 

@@ -120,15 +120,33 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def stop_on_signals() -> asyncio.Event:
+    """An event SIGTERM and SIGINT set (the stack stops on it)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def ready_unless_stopped(children: list[Child], stop: asyncio.Event) -> bool:
+    """`wait_ready(children)` (its error if a child fails), unless `stop` is set first: False."""
+    waiter, stopped = asyncio.create_task(wait_ready(children)), asyncio.create_task(stop.wait())
+    await asyncio.wait([waiter, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if stop.is_set():
+        waiter.cancel()
+        return False
+    await waiter
+    return True
+
+
 async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool = False,
                     instances: tuple[int, int, int] = (1, 1, 1), openai_port: int = 0) -> int:
     workdir = tempfile.mkdtemp(prefix="pddjax-up-")
     children: list[Child] = []
     links: list[WanLink] = []
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     log = open(os.path.join(workdir, "services.log"), "ab")
     try:
         cfg_path = os.path.join(workdir, "stack.json")
@@ -137,12 +155,8 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
         write_json(cfg_path, stack)
         children = [spawn(r, cfg_path, workdir, log=log, name=f"{r}{k}")
                     for r, n in zip(ENGINE_ROLES, instances) for k in range(n)]
-        waiter = asyncio.create_task(wait_ready(children))
-        await asyncio.wait([waiter, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set():
-            waiter.cancel()
+        if not await ready_unless_stopped(children, stop):
             return 130
-        await waiter
         addr = {r: [c.address for c in children if c.role == r] for r in ENGINE_ROLES}
         wan = stack.get("wan", {})
         wan_addrs = []
