@@ -3,22 +3,21 @@
 another host (`pddjax serve openai --router HOST:PORT [--port N] [--model NAME]`: `serve`).
 
 Why in the router's process (issue 21; it was its own process until session 8): on a small
-machine the gateway's CPU competes with the engines and the router, and a separate gateway
-pays for every streamed token twice: the router serializes and writes a gRPC message, the
-gateway reads and parses it (py-spy, separate gateway under 64 streams: gRPC receive 22% of
-its busy time, the HTTP write 22%, pydantic chunks 11%, anyio 10%, starlette 8%, SSE framing
-7%; ~0.4-0.5 s CPU per 64 x 32-token round on top of the router's). Co-hosted, the gateway
-calls the router's generate path in memory (local.LocalUpstream: the same bearer token check,
-Gate (loading / draining 503), deadlines and statuses as the gRPC port), so the router writes no
-gRPC message per token and the gateway reads none: the router process's CPU in a gateway round
-is about its CPU in a direct gRPC round (0.30-0.48 vs 0.25-0.56 s per round; a separate gateway
-added 0.32-0.57 s of its own), and over 9 interleaved before/after pairs of `python -m
-serving.bench.openai_overhead --rounds 4` (load average 5-25 from other work on 2 cores) the
-median TTFT / ITL / TPOT p50 ratios went from 1.21 / 1.19 / 1.33 to 1.02 / 0.99 / 1.06
-(figures in WORKSPACE_NOTES.md, "The OpenAI gateway"). The cost: the router's loop also parses
-HTTP and writes one SSE event per chunk (~0.6 ms per request + ~35 us per token against a
-stand-in router), and the gateway restarts with the router; a gateway on another host (or
-several, for spare cores) is still `serve openai --router`. The router process loads no JAX.
+machine the gateway's CPU competes with the engines and the router, and a separate gateway pays
+for every streamed token twice: the router serializes and writes a gRPC message, the gateway
+reads and parses it (py-spy, separate gateway under 64 streams: gRPC receive 22% of its busy
+time, the HTTP write 22%, pydantic chunks 11%, anyio 10%, starlette 8%, SSE framing 7%; ~0.4-0.5
+s CPU per 64 x 32-token round on top of the router's). Co-hosted, the gateway calls the router's
+generate path in memory (local.LocalUpstream: the same bearer token check, Gate (loading /
+draining 503), deadlines and statuses as the gRPC port), so the router writes no gRPC message
+per token and the gateway reads none: the router process's CPU in a gateway round is about its
+CPU in a direct gRPC round (0.30-0.48 vs 0.25-0.56 s per round; a separate gateway added
+0.32-0.57 s of its own), and `python -m serving.bench.openai_overhead --rounds 4`'s TTFT / ITL
+p50 ratios went from 1.12 / 1.64 to 0.87 / 0.93 on a quiet machine (medians of 10 loaded pairs:
+1.21 / 1.16 to 1.02 / 1.00; WORKSPACE_NOTES.md, "The OpenAI gateway"). The cost: the router's
+loop also parses HTTP and writes one SSE event per chunk (~0.6 ms per request + ~35 us per token
+against a stand-in router), and the gateway restarts with the router; a gateway on another host
+(or several, for spare cores) is still `serve openai --router`. The router process loads no JAX.
 
 One asyncio loop carries uvicorn and the upstream (the router's own loop, co-hosted; a gRPC
 channel otherwise). The model's name and weights fingerprint (`system_fingerprint`) come from
