@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/python -m pddjax.cli.demo
+	$(BIN)/python -m serving.cli.demo
 
 test: setup lint
 	$(BIN)/python -m pytest -q

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from pddjax.model.jax_setup import configure
@@ -26,4 +24,4 @@ def smollm():
     return load_model("smollm2-135m")
 
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+

@@ -145,7 +145,7 @@ def main() -> int:
 
     # 3. engine benchmark (optional; the CLI belongs to the engines issue)
     if a.bench_engine and not a.dry_run:
-        cmd = [sys.executable, "-m", "pddjax.cli", "bench", "engine", "--model", "smollm2-135m",
+        cmd = [sys.executable, "-m", "serving.cli", "bench", "engine", "--model", "smollm2-135m",
                "--attention", "pallas", "--json", "/tmp/bench_engine_pallas.json"]
         # goal on an accelerator: extend_ms["64"] / decode_ms["1"] <= 1.3
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)

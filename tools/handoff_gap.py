@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from serving.bench.stack import BenchStack
+from serving.bench.serve.stack import BenchStack
 from serving.client import Client, make_request
 from serving.pb import common_pb2
 from serving.stack.up import write_json

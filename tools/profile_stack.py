@@ -2,7 +2,7 @@
 MD and the router while N streams run through a pipeline, aggregated per service into categories
 and the top functions by self time.
 
-One stack (serving/bench/serving_load.py's config: tiny model, 1000 Mb/s / 5 ms WAN), a warm-up,
+One stack (serving/bench/load/command.py's config: tiny model, 1000 Mb/s / 5 ms WAN), a warm-up,
 then per pipeline: `py-spy record --format raw --threads --nonblocking` on every service process
 while `--repeat` bursts of `--streams` streams run one after another, and each thread's CPU
 seconds from /proc over the same window. Raw files land in --out (re-read with --analyze).
@@ -71,8 +71,8 @@ def record(pids: dict[str, int], out_prefix: str, rate: int, load) -> dict:
 
 
 def collect(args) -> None:
-    from serving.bench import serving_load as sl
-    from serving.bench.stack import BenchStack
+    from serving.bench.load import command as sl
+    from serving.bench.serve.stack import BenchStack
 
     os.makedirs(args.out, exist_ok=True)
     steps_dir = os.path.join(args.out, "steps")

@@ -1,4 +1,4 @@
-"""Soak test (issues 8 and 17; a script, plus a short run in tests/test_soak.py): a tiny-model
+"""Soak test (issues 8 and 17; a script, plus a short run in tests/tools/test_soak.py): a tiny-model
 stack under many concurrent multi-turn sessions for a while, a share of requests aborted by
 the client at random points.
 
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     from pddjax.model.registry import load_model
     from pddjax.model.sampling_params import SamplingParams
     from serving.stack.up import READY_SECONDS
-    from tests.serving_stack import Stack
+    from tests.support.serving_stack import Stack
 
     configure()
     tiny = load_model("tiny")

@@ -12,7 +12,7 @@ generate path in memory (local.LocalUpstream: the same bearer token check, Gate 
 draining 503), deadlines and statuses as the gRPC port), so the router writes no gRPC message
 per token and the gateway reads none: the router process's CPU in a gateway round is about its
 CPU in a direct gRPC round (0.30-0.48 vs 0.25-0.56 s per round; a separate gateway added
-0.32-0.57 s of its own), and `python -m serving.bench.openai_overhead --rounds 4`'s TTFT / ITL
+0.32-0.57 s of its own), and `python -m tools.hostlab.openai_overhead --rounds 4`'s TTFT / ITL
 p50 ratios went from 1.12 / 1.64 to 0.87 / 0.93 on a quiet machine (medians of 10 loaded pairs:
 1.21 / 1.16 to 1.02 / 1.00; WORKSPACE_NOTES.md, "The OpenAI gateway"). The cost: the router's
 loop also parses HTTP and writes one SSE event per chunk (~0.6 ms per request + ~35 us per token

@@ -72,7 +72,7 @@ def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, na
     """Start `pddjax serve ROLE [args]` (pinned to `cpus` if given; behind `wrap`, e.g. `ip netns exec NS`
     for `up --netns`: serving/stack/netns.py); its address comes via the ready file."""
     ready = os.path.join(workdir, f"{name or role}.ready.json")
-    cmd = [*(wrap or []), sys.executable, "-m", "pddjax", "serve", role, "--config", config_path, "--port", str(port),
+    cmd = [*(wrap or []), sys.executable, "-m", "serving", "serve", role, "--config", config_path, "--port", str(port),
            "--ready-file", ready, *args]
     env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
     if cpus:

@@ -9,7 +9,7 @@ Inputs:
   tools.hostlab.calibrate`, `pddjax/sim/engine_steps.py`);
 - the trace the benchmark replayed (`bench serve --save-trace FILE`), for an exact replay.
 
-The simulation reproduces the benchmark (`serving/bench/serve.py`, `serving/bench/replay.py`):
+The simulation reproduces the benchmark (`serving/bench/serve/command.py`, `serving/bench/serve/replay.py`):
 one P, one RLD, one MD instance, all on one host whose `HostConfig.cores` they share
 (`pddjax/sim/host.py`), each running step by step as pddjax's engines do
 (`pddjax/sim/engine_prefill.py`, `pddjax/sim/decode.py`); the history turns

@@ -1,5 +1,0 @@
-import sys
-
-from pddjax.cli import main
-
-sys.exit(main())

@@ -1,0 +1,54 @@
+"""The real model (SmolLM2-135M) through `pddjax up`: every pipeline returns exactly the
+monolithic float32 reference's tokens (greedy and seeded), pdd starting on RLD and ending on MD."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pddjax.engines.reference import ReferenceEngine
+from pddjax.model.sampling_params import SamplingParams
+from serving.client import Client, make_request
+from tests.support.serving_stack import UpProcess
+
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(400)]
+
+STACK = {"model": "smollm2-135m", "platform": "cpu",
+         "engine": {"dtype": "float32", "page_size": 16, "num_pages": 64, "max_step_tokens": 64, "max_rows": 4},
+         "router": {"handoff": "one-shot"}, "wan": {"latency_ms": 20}}
+SEEDED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 7}
+CASES = [  # (prompt, pipeline, handoff, sampling)
+    ("The capital of France is", "pdd", "one-shot", None),
+    ("def add(a, b):\n    return", "pdd", "chunked", SEEDED),
+    ("Water boils at a temperature of", "pd-cross", None, None),
+    ("Once upon a time, in a small village,", "pd-local", None, SEEDED),
+    ("The three primary colors are", "auto", None, None),
+]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    d = tmp_path_factory.mktemp("real-stack")
+    cfg = d / "stack.json"
+    cfg.write_text(json.dumps(STACK))
+    proc = UpProcess(["--config", str(cfg), "--port", "0"], str(d / "state.json"), timeout=240)
+    yield proc
+    proc.close()
+
+
+@pytest.mark.parametrize("text,pipeline,handoff,sampling", CASES, ids=[f"{c[1]}-{c[2]}-{bool(c[3])}" for c in CASES])
+def test_real_model_pipelines_match_reference(up, smollm, text, pipeline, handoff, sampling):
+    c = Client(up.state["router"])
+    try:
+        p = smollm.tokenizer.encode(text)
+        r = c.generate(make_request(p, max_tokens=12, pipeline=pipeline, handoff=handoff, ignore_eos=True,
+                                    **(sampling or {})), timeout=240)
+        params = SamplingParams(**sampling) if sampling else SamplingParams()
+        want = ReferenceEngine(smollm.config, smollm.weights).generate(p, params, 12, ()).token_ids
+        assert r.token_ids == want
+        assert r.text == smollm.tokenizer.decode(want, skip_special=True)
+        if pipeline == "pdd" and handoff == "one-shot":
+            assert r.sources[0] == "relay" and r.sources[-1] == "main", r.sources
+    finally:
+        c.close()

@@ -1,0 +1,126 @@
+"""Helpers for serving tests: a stack of separate service processes on loopback, with the
+A -> B WanLink running in a background thread of the test process (so tests can slow it and
+read its byte counters), always torn down (SIGTERM, then SIGKILL)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from serving.stack.up import Child, spawn, stop_all, wait_ready
+from serving.stack.wanlink import WanLink
+
+
+class LinkThread:
+    """A WanLink on its own event loop thread."""
+
+    def __init__(self, target: str):
+        host, port = target.rsplit(":", 1)
+        self.link = WanLink(host, int(port))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.address = asyncio.run_coroutine_threadsafe(self.link.start(), self.loop).result(10)
+
+    def set(self, mbps: float = 0.0, latency_ms: float = 0.0) -> None:
+        self.link.mbps, self.link.latency_ms = mbps, latency_ms
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.link.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class Stack:
+    """P, RLD, MD and the router as processes; P and RLD reach MD through `link`."""
+
+    def __init__(self, stack: dict, workdir: str, timeout: float = 180.0, use_link: bool = True):
+        self.children: list[Child] = []
+        self.link: LinkThread | None = None
+        self.log = open(os.path.join(workdir, "services.log"), "ab")
+        try:
+            cfg = os.path.join(workdir, "stack.json")
+            with open(cfg, "w") as f:
+                json.dump(stack, f)
+            self.children = [spawn(r, cfg, workdir, log=self.log) for r in ("prefill", "relay", "main")]
+            asyncio.run(wait_ready(self.children, timeout))
+            self.addr = {c.role: c.address for c in self.children}
+            self.link = LinkThread(self.addr["main"])
+            rstack = {**stack, "router": {**stack.get("router", {}), "prefill": self.addr["prefill"],
+                                          "relay": self.addr["relay"], "main": self.addr["main"],
+                                          "main_wan": self.link.address if use_link else self.addr["main"]}}
+            rcfg = os.path.join(workdir, "router.json")
+            with open(rcfg, "w") as f:
+                json.dump(rstack, f)
+            router = spawn("router", rcfg, workdir, log=self.log)
+            self.children.append(router)
+            asyncio.run(wait_ready([router], timeout))
+            self.addr["router"] = router.address
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        stop_all(self.children)
+        if self.link is not None:
+            self.link.close()
+        self.log.close()
+
+
+class UpProcess:
+    """`pddjax up ...` as a subprocess; waits for its state file; always stopped."""
+
+    def __init__(self, args: list[str], state_file: str, timeout: float = 240.0):
+        self.state_file = state_file
+        self.proc = subprocess.Popen([sys.executable, "-m", "serving", "up", "--state", state_file, *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.state = None
+        deadline = time.monotonic() + timeout
+        try:
+            while not os.path.exists(state_file):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"pddjax up exited with {self.proc.returncode}: {self.proc.stdout.read()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("pddjax up did not write its state file")
+                time.sleep(0.2)
+            with open(state_file) as f:
+                self.state = json.load(f)
+        except BaseException:
+            self.close()
+            raise
+
+    def read_state(self) -> dict:
+        with open(self.state_file) as f:
+            return json.load(f)
+
+    def close(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for s in (self.state or {}).get("services", []):  # never leave a child behind
+            try:
+                os.kill(s["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return self.proc.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False

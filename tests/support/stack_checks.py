@@ -1,0 +1,53 @@
+"""Checks against a running stack: every tier idle (no request, no page, no integrity error), the
+engines' `pddjax_kv_pages_active` gauges at zero, one Prometheus gauge read from a /metrics URL."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+
+from serving.pb import cluster_pb2, cluster_pb2_grpc
+
+
+def assert_idle(stack, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        infos = {}
+        for role in ("prefill", "relay", "main"):
+            ch = grpc.insecure_channel(stack.addr[role])
+            stub = (cluster_pb2_grpc.PrefillStub if role == "prefill" else cluster_pb2_grpc.DecodeStub)(ch)
+            infos[role] = stub.Info(cluster_pb2.InfoRequest(), timeout=10)
+            ch.close()
+        assert not any(i.integrity_error for i in infos.values()), infos
+        if all(i.requests == 0 and i.pages_active == 0 for i in infos.values()):
+            return
+        assert time.monotonic() < deadline, {r: (i.requests, i.pages_active) for r, i in infos.items()}
+        time.sleep(0.2)
+
+
+def pages_active_gauge(url: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pddjax_kv_pages_active "))
+
+
+def assert_gauges_zero(stack, timeout: float) -> None:
+    """`pddjax_kv_pages_active` on every engine service's /metrics reads 0 (polled: the gauge is
+    refreshed by the engine thread)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gauges = {c.role: pages_active_gauge(c.metrics) for c in stack.children if c.role != "router"}
+        if len(gauges) == 3 and not any(gauges.values()):
+            return
+        assert time.monotonic() < deadline, gauges
+        time.sleep(0.2)
+
+
+def gauge(url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not in {url}")
