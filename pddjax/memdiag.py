@@ -14,6 +14,8 @@ import signal
 import sys
 import tracemalloc
 
+from pddjax import env
+
 _last: list = [None]
 
 
@@ -31,10 +33,9 @@ def _report(_signum=None, _frame=None) -> None:
 
 def install(role: str = "") -> bool:
     """Start tracing and hook SIGUSR2 if PDDJAX_TRACEMALLOC asks for it; -> whether it did."""
-    frames = os.environ.get("PDDJAX_TRACEMALLOC")
-    only = os.environ.get("PDDJAX_TRACEMALLOC_ROLE")
-    if not frames or (only and only != role):
+    frames, only = env.TRACEMALLOC.get(), env.TRACEMALLOC_ROLE.get()
+    if frames is None or (only and only != role):
         return False
-    tracemalloc.start(max(1, int(frames)))
+    tracemalloc.start(frames)
     signal.signal(signal.SIGUSR2, _report)
     return True

@@ -41,7 +41,7 @@ class PolicyConfig:
     drift_tolerance: float = 0.2  # session MD hit may lag its P hit by this fraction of the prompt
     # The final handoff chunk carries at most this many tokens: above it RLD sends catch-up chunks
     # while it decodes on (MD extends them, then decodes ahead, held), so the switch waits for a
-    # short tail only. Measured (tools/handoff_gap.py, WORKSPACE_NOTES): 4 halves the gap of 64.
+    # short tail only. Measured (tools/handoff_gap.py; docs/figures.md, "Handoff"): 4 halves the gap of 64.
     handoff_threshold: int = 4
 
 

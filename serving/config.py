@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from importlib import resources
 
 from pddjax.engines.engine_config import EngineConfig, degree_problem
 from pddjax.errors import UserError
@@ -60,6 +61,7 @@ ENGINE_ROLES = ("prefill", "relay", "main")
 ROLES = (*ENGINE_ROLES, "router")
 ENGINE_KEYS = frozenset(f.name for f in dataclasses.fields(EngineConfig))  # a role's engine table
 _POLICY = PolicyConfig()  # the auto policy's defaults live there once
+DEFAULT_STACK = "default_stack.toml"  # package data of `serving` (pyproject.toml): `pddjax up` without --config
 
 
 @dataclasses.dataclass
@@ -146,6 +148,11 @@ def read_file(path: str) -> dict:
         return json.loads(data) if path.endswith(".json") else tomllib.loads(data.decode())
     except (ValueError, tomllib.TOMLDecodeError) as e:
         raise UserError(f"config {path} is not valid {'JSON' if path.endswith('.json') else 'TOML'}: {e}") from None
+
+
+def default_stack() -> dict:
+    """The packaged default stack config, found through importlib.resources (an installed wheel too)."""
+    return tomllib.loads(resources.files("serving").joinpath(DEFAULT_STACK).read_text(encoding="utf-8"))
 
 
 def service_config(stack: dict, role: str, port: int | None = None) -> ServiceConfig:

@@ -40,13 +40,19 @@ class Gate:
     async def wait_idle(self, timeout: float) -> bool:
         return await wait_set(self._idle, timeout)
 
+    def refusal(self) -> str | None:
+        """Why a call is refused now (UNAVAILABLE: loading or draining), or None while serving."""
+        if self.state == SERVING:
+            return None
+        return "the service is loading its model" if self.state == LOADING else "the service is draining"
+
     async def _enter(self, context, method: str, request=None):
         if isinstance(request, _Malformed):
             if self.metrics:
                 self.metrics.rpc_total.labels(method, "INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        if self.state != SERVING:
-            why = "the service is loading its model" if self.state == LOADING else "the service is draining"
+        why = self.refusal()
+        if why is not None:
             if self.metrics:
                 self.metrics.rpc_total.labels(method, "UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, why)

@@ -29,11 +29,12 @@ import os
 
 import grpc
 
+from pddjax import env
 from pddjax.errors import UserError
 
-TLS_DIR_ENV = "PDDJAX_TLS_DIR"
-CA_FILE_ENV = "PDDJAX_TLS_CA"
-TOKEN_FILE_ENV = "PDDJAX_ROUTER_TOKEN_FILE"
+TLS_DIR_ENV = env.TLS_DIR.name
+CA_FILE_ENV = env.TLS_CA.name
+TOKEN_FILE_ENV = env.ROUTER_TOKEN_FILE.name
 ROLES = ("prefill", "relay", "main", "router")
 SPIFFE_PREFIX = "spiffe://pddjax/role/"
 
@@ -59,7 +60,7 @@ def set_identity(role: str | None) -> None:
 
 
 def tls_dir() -> str | None:
-    return os.environ.get(TLS_DIR_ENV) or None
+    return env.TLS_DIR.get()
 
 
 @functools.cache
@@ -112,7 +113,7 @@ def client_credentials(ca: bytes | str | None = None) -> grpc.ChannelCredentials
     """A public client's TLS: the CA only (PEM bytes or a path; else PDDJAX_TLS_CA, else
     PDDJAX_TLS_DIR/ca.pem), never a certificate or key. None when none is given (plaintext)."""
     if ca is None:
-        path = os.environ.get(CA_FILE_ENV) or (os.path.join(tls_dir(), "ca.pem") if tls_dir() else None)
+        path = env.TLS_CA.get() or (os.path.join(tls_dir(), "ca.pem") if tls_dir() else None)
         if path is None:
             return None
         ca = path
@@ -153,7 +154,7 @@ def listen_problem(role: str, host: str, tls: bool, insecure: bool, token: bool)
 
 @functools.cache
 def router_token(path: str | None = None) -> str | None:
-    p = path or os.environ.get(TOKEN_FILE_ENV)
+    p = path or env.ROUTER_TOKEN_FILE.get()
     if not p:
         return None
     try:

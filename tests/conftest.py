@@ -24,4 +24,9 @@ def smollm():
     return load_model("smollm2-135m")
 
 
+@pytest.fixture(scope="module")
+def ref(tiny):
+    """The monolithic reference engine over the tiny model: what every engine and stack must equal."""
+    from pddjax.engines.reference import ReferenceEngine
 
+    return ReferenceEngine(tiny.config, tiny.weights)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pddjax.model.attention.pallas_paged import choose_blocks, paged_attention_pallas
+from pddjax.model.attention.ragged import Ragged
 from pddjax.model.attention.xla_paged import paged_attention_xla
 
 # HBM peak bytes/s by device_kind substring (first match wins; most specific first).
@@ -42,6 +43,11 @@ TOL = {"float32": (2e-5, 0.0), "bfloat16": (1e-2, 1.6e-2)}  # (atol, rtol), as i
 
 def hbm_peak(kind: str) -> float | None:
     return next((bw for key, bw in HBM_PEAK if key.lower() in kind.lower()), None)
+
+
+def flat(fn, *, max_q_len: int, sm_scale: float):
+    """fn(q, k, v, rows) called as fn(q, k, v, cu_q_lens, kv_lens, page_tables), what ragged_batch gives."""
+    return lambda q, k, v, cu, kv, pt: fn(q, k, v, Ragged(cu, kv, pt, max_q_len, sm_scale))
 
 
 def ragged_batch(rng, *, rows, max_q, ctx, heads, kv_heads, head_dim, page_size, dtype, decode_only):
@@ -111,8 +117,8 @@ def main() -> int:
             args = ragged_batch(rng, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=ps,
                                 dtype=dtype, decode_only=False, **check_shapes)
             kw = dict(max_q_len=check_shapes["max_q"], sm_scale=head_dim**-0.5)
-            got = np.asarray(jax.jit(functools.partial(pallas, **kw))(*args).astype(jnp.float32))
-            want = np.asarray(jax.jit(functools.partial(paged_attention_xla, **kw))(*args).astype(jnp.float32))
+            got = np.asarray(jax.jit(flat(pallas, **kw))(*args).astype(jnp.float32))
+            want = np.asarray(jax.jit(flat(paged_attention_xla, **kw))(*args).astype(jnp.float32))
             atol, rtol = TOL[dtype]
             err = np.abs(got - want)
             passed = bool(np.isfinite(got).all() and (err <= atol + rtol * np.abs(want)).all())
@@ -128,8 +134,8 @@ def main() -> int:
             args = ragged_batch(rng, rows=rows, max_q=1, ctx=ctx, heads=heads, kv_heads=kv_heads,
                                 head_dim=head_dim, page_size=page_size, dtype=dtype, decode_only=True)
             kw = dict(max_q_len=1, sm_scale=head_dim**-0.5)
-            t_pallas = timed(functools.partial(pallas, **kw), args, reps)
-            t_xla = timed(functools.partial(paged_attention_xla, **kw), args, reps)
+            t_pallas = timed(flat(pallas, **kw), args, reps)
+            t_xla = timed(flat(paged_attention_xla, **kw), args, reps)
             kv_bytes = int(np.asarray(args[4]).sum()) * kv_heads * head_dim * 2 * jnp.dtype(dtype).itemsize
             peak = report["hbm_peak_bytes_per_s"]
             report["decode"].append({

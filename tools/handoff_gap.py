@@ -123,5 +123,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PDDJAX_DIE_WITH_PARENT", "1")
+    from pddjax.env import DIE_WITH_PARENT
+
+    os.environ.setdefault(DIE_WITH_PARENT.name, "1")
     raise SystemExit(main())

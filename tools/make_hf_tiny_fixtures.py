@@ -5,10 +5,10 @@ Where it runs: NOT in the project venv and not in CI. It needs torch + transform
 pddjax does not depend on, so it runs in a throwaway CPU venv outside the repo; the fixtures
 it writes are committed and the tests only read them.
 
-Exact commands (from /work/main):
-    python3 -m venv /work/scratch/hfref
-    /work/scratch/hfref/bin/pip install torch==2.13.0 transformers safetensors numpy
-    /work/scratch/hfref/bin/python tools/make_hf_tiny_fixtures.py
+Exact commands (from the repository root; the venv lives outside it):
+    python3 -m venv ../hfref
+    ../hfref/bin/pip install torch==2.13.0 transformers safetensors numpy
+    ../hfref/bin/python tools/make_hf_tiny_fixtures.py
 Versions used for the committed fixtures are recorded in each reference.json.
 
 Each checkpoint is what a user would download, in miniature: config.json (the hub's layout with

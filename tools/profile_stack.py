@@ -7,8 +7,8 @@ then per pipeline: `py-spy record --format raw --threads --nonblocking` on every
 while `--repeat` bursts of `--streams` streams run one after another, and each thread's CPU
 seconds from /proc over the same window. Raw files land in --out (re-read with --analyze).
 
-  .venv/bin/python -m tools.profile_stack --streams 32 --repeat 4 --out /tmp/prof
-  .venv/bin/python -m tools.profile_stack --analyze /tmp/prof
+  .venv/bin/python -m tools.profile_stack --streams 32 --repeat 4 --out prof
+  .venv/bin/python -m tools.profile_stack --analyze prof
 
 A sample is one stack of a thread that was running (py-spy leaves idle threads out), so the
 shares are of CPU samples; time inside C (XLA, upb, gRPC's core) counts for the Python line
@@ -71,13 +71,14 @@ def record(pids: dict[str, int], out_prefix: str, rate: int, load) -> dict:
 
 
 def collect(args) -> None:
+    from pddjax.env import STEP_LOG
     from serving.bench.load import command as sl
     from serving.bench.serve.stack import BenchStack
 
     os.makedirs(args.out, exist_ok=True)
     steps_dir = os.path.join(args.out, "steps")
     os.makedirs(steps_dir, exist_ok=True)
-    os.environ["PDDJAX_STEP_LOG"] = steps_dir  # each engine thread's steps and commands (serving/engine/steplog.py)
+    os.environ[STEP_LOG.name] = steps_dir  # each engine thread's steps and commands (serving/engine/steplog.py)
     ns = argparse.Namespace(model="tiny", num_pages=512, max_rows=max(64, args.streams), max_step_tokens=256,
                             wan_mbps=1000.0, wan_latency_ms=5.0)
     cfg, vocab = sl.stack_config(ns), 512
@@ -293,8 +294,11 @@ def _threads_cpu(cpu: dict) -> dict:
     return {k: round(v, 2) for k, v in by.most_common(6) if v > 0}
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def _short(path: str) -> str:
-    for mark in ("/site-packages/", "/work/main/", "/lib/python3"):
+    for mark in ("/site-packages/", REPO, "/lib/python3"):
         if mark in path:
             return path.split(mark, 1)[1]
     return path

@@ -130,11 +130,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tracemalloc", metavar="ROLE", help="trace Python heap growth of ROLE's service "
                     "(PDDJAX_TRACEMALLOC; a report per sample, printed at the end)")
     args = ap.parse_args(argv)
+    from pddjax import env
     from pddjax.engines.reference import ReferenceEngine
     from pddjax.model.jax_setup import configure
     from pddjax.model.registry import load_model
     from pddjax.model.sampling_params import SamplingParams
-    from serving.stack.up import READY_SECONDS
     from tests.support.serving_stack import Stack
 
     configure()
@@ -143,9 +143,9 @@ def main(argv=None) -> int:
     counts = {"completed": 0, "aborted": 0, "mismatched": 0, "errors": 0}
     lock = threading.Lock()
     if args.tracemalloc:
-        os.environ["PDDJAX_TRACEMALLOC"], os.environ["PDDJAX_TRACEMALLOC_ROLE"] = "6", args.tracemalloc
+        os.environ[env.TRACEMALLOC.name], os.environ[env.TRACEMALLOC_ROLE.name] = "6", args.tracemalloc
     with tempfile.TemporaryDirectory() as d:
-        stack = Stack(SMALL if args.small else STACK, d, timeout=READY_SECONDS)
+        stack = Stack(SMALL if args.small else STACK, d, timeout=env.READY_SECONDS.get())
         try:
             pids = {c.role: c.proc.pid for c in stack.children}
             urls = {c.role: c.metrics for c in stack.children if c.role != "router"}

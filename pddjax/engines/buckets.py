@@ -4,12 +4,7 @@ before it serves, with `fit` / `fit_row` to pad a step into it. Nothing compiles
 
 from __future__ import annotations
 
-
-def pow2_at_least(n: int, minimum: int = 1) -> int:
-    b = max(1, minimum)
-    while b < n:
-        b *= 2
-    return b
+from pddjax.sizes import pow2_at_least
 
 
 def token_bucket(n: int) -> int:
@@ -108,7 +103,7 @@ def bucket_set(config, model_config) -> list[Shape]:
     mixed step's Q is what its rows need, not T (measured on the tiny model, 64 rows: Q = T
     = 256 took 515 ms, Q = 16 15 ms, a decode step of 64 rows 4.3 ms).
     Greedy and sampled rows share every variant (the step picks its sampler at run time).
-    Sizes: configs/tiny.toml 22; configs/pddjax.toml P and MD 110, RLD 90."""
+    Sizes: configs/tiny.toml 22; serving/default_stack.toml P and MD 110, RLD 90."""
     t_max, b_max = pow2_at_least(config.max_step_tokens), pow2_at_least(config.max_rows)
     w_max = max_width(config, model_config)
     widths = ladder(min(4 * MIN_WIDTH, w_max), w_max, 2)

@@ -1,6 +1,7 @@
 """The small interface the serving layer programs against (in the spirit of JetStream's
 `engine_api`): `PagedEngine` implements it over JAX, `FakeEngine` by hand-checkable rules, so
-the gRPC layers can be tested in milliseconds without a model.
+the gRPC layers can be tested in milliseconds without a model. This module defines the types;
+it imports no engine.
 
 Contract:
   add(seq_id, prompt, params, max_tokens, stop_ids, hold_on_finish=, use_cache=) -> Sequence
@@ -16,8 +17,17 @@ Contract:
 from __future__ import annotations
 
 import abc
+import dataclasses
 
-from pddjax.engines.paged_engine import PagedEngine, TokenEvent  # noqa: F401  (re-exported)
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One token a step sampled for one sequence (a step's rows that only computed KV emit none)."""
+
+    seq_id: str
+    position: int  # output position (0 = first generated token)
+    token: int
+    finish_reason: str | None  # "stop" | "length" on the sequence's last token, else None
 
 
 class Engine(abc.ABC):
@@ -33,7 +43,7 @@ class Engine(abc.ABC):
     def append_tokens(self, seq_id, start_pos, tokens) -> None: ...
 
     @abc.abstractmethod
-    def step(self) -> list: ...
+    def step(self) -> list[TokenEvent]: ...
 
     @abc.abstractmethod
     def export_kv(self, seq_id, start=0, end=None): ...
@@ -49,6 +59,3 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def check_integrity(self) -> None: ...
-
-
-Engine.register(PagedEngine)

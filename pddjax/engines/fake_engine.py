@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from pddjax.engines.paged_engine import TokenEvent
+from pddjax.engines.engine_api import Engine, TokenEvent
 from pddjax.engines.sequence import Sequence
 from pddjax.kv.canonical import KVImportError, KVRun
 from pddjax.kv.page_hash import chain_hashes
 from pddjax.kv.page_table import SequencePages
 
 
-class FakeEngine:
+class FakeEngine(Engine):
     def __init__(self, vocab_size: int = 1000, page_size: int = 4, fingerprint: str = "fake", num_layers: int = 2):
         self.vocab_size, self.page_size = vocab_size, page_size
         self.fingerprint, self.num_layers = fingerprint, num_layers

@@ -8,7 +8,7 @@ device programs with the same inputs in the same order. Process 0, the leader, s
 owns all host bookkeeping (sequences, pages, prefix cache); the others, followers, hold only the
 weights and their shards of the KV pool, and replay the leader's device calls:
 
-  leader: PagedEngine with ops=Leader            followers: follow(engine, channel)
+  leader: LeaderEngine (its Leader)             followers: follow(engine, channel)
   step()       batch + sampling arrays  --step-->   run_step (same arrays, same statics)
   import_kv()  KV pieces + pages        --import->  import_run (same)
   export_kv()  pages, start, end        --export->  the same gather (a collective across hosts)
@@ -17,12 +17,13 @@ weights and their shards of the KV pool, and replay the leader's device calls:
 Both sides build and precompile their engine the same way (the same programs in the same order)
 before the log starts. The log is a host channel: one TCP connection from each follower to the
 leader, whose port (any free one; `PDDJAX_MULTIHOST_PORT` fixes it) and a 128-bit token reach
-every process by one `broadcast_one_to_all` at start. An op is one frame: a JSON header (op,
-statics, each array's dtype and shape), then the raw bytes. Not `broadcast_one_to_all` per op:
-that is a device collective and a compiled program per array shape, the follower needs the op
-and shapes before it can receive anything, and an idle follower would wait inside a collective
-(gloo times out); the socket's end of file also tells a follower that the leader died. A step
-sends a few KB; an import carries its whole KV run (each follower keeps its shards).
+every process by one `broadcast_one_to_all` at start. An op is one frame
+(engines/multihost_frames.py): a JSON header (op, statics, each array's dtype and shape), then
+the raw bytes. Not `broadcast_one_to_all` per op: that is a device collective and a compiled
+program per array shape, the follower needs the op and shapes before it can receive anything,
+and an idle follower would wait inside a collective (gloo times out); the socket's end of file
+also tells a follower that the leader died. A step sends a few KB; an import carries its whole
+KV run (each follower keeps its shards).
 
 Failures: the leader gone (its socket closes without a stop) -> `follow` returns "lost" after one
 log line and the process exits 3; a follower gone -> the leader's watcher logs one line and exits
@@ -35,35 +36,30 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import os
 import secrets
 import socket
-import struct
 import sys
 import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from pddjax import env
+from pddjax.engines.multihost_frames import LeaderGone, recv, send
+from pddjax.engines.paged_engine import PagedEngine
+from pddjax.engines.step import run_step
 from pddjax.kv.canonical import KVImportError, KVRun, as_pieces, export_run, import_run
 from pddjax.model.paged import PackedBatch
 
 EXIT_LOST = 3  # a process whose peer died exits with this
-PORT_ENV = "PDDJAX_MULTIHOST_PORT"  # the leader's op channel port (default 0: any free one, told to the followers)
 CONNECT_SECONDS = 120.0  # jax.distributed start-up, and the channel's accept / connect
 SHUTDOWN_SECONDS = 30  # jax.distributed's shutdown barrier
-_HEADER = struct.Struct("!I")  # JSON header length
-
-
-class LeaderGone(RuntimeError):
-    """The leader's channel closed (or failed) before a stop."""
 
 
 def heartbeat_seconds() -> int:
-    return int(os.environ.get("PDDJAX_HEARTBEAT_SECONDS", "30"))
+    return env.HEARTBEAT_SECONDS.get()
 
 
 def initialize(coordinator: str | None, num_processes: int, process_id: int) -> bool:
@@ -91,44 +87,7 @@ def shutdown() -> None:
         jax.distributed.shutdown()
 
 
-# ---- frames --------------------------------------------------------------------------
-def _send(sock: socket.socket, op: str, meta: dict, arrays: list[np.ndarray]) -> None:
-    arrays = [np.ascontiguousarray(a) for a in arrays]
-    header = json.dumps({"op": op, "meta": meta,
-                         "arrays": [[a.dtype.name, list(a.shape)] for a in arrays]}).encode()
-    sock.sendall(_HEADER.pack(len(header)) + header)
-    for a in arrays:
-        if a.nbytes:
-            sock.sendall(memoryview(a.reshape(-1).view(np.uint8)))
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf, got = bytearray(n), 0
-    view = memoryview(buf)
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise LeaderGone("the leader closed the channel")
-        got += k
-    return buf
-
-
-def _recv(sock: socket.socket, limit: int | None = None) -> tuple[str, dict, list[np.ndarray]]:
-    """One frame; `limit`: the most bytes it may hold (a hello from an unknown peer), else ValueError."""
-    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if limit is not None and size > limit:
-        raise ValueError(f"a frame header of {size} bytes is over {limit}")
-    header = json.loads(_recv_exact(sock, size))
-    if limit is not None and header["arrays"]:
-        raise ValueError("this frame may carry no arrays")
-    arrays = []
-    for dtype, shape in header["arrays"]:
-        dt = jnp.dtype(dtype)  # numpy's, or ml_dtypes' bfloat16
-        n = int(np.prod(shape)) * dt.itemsize
-        arrays.append(np.frombuffer(_recv_exact(sock, n), dt).reshape(shape) if n else np.zeros(shape, dt))
-    return header["op"], header["meta"], arrays
-
-
+# ---- start-up ------------------------------------------------------------------------
 def _handshake(port: int = 0, token: bytes = bytes(16)) -> tuple[int, bytes]:
     """Every process: the leader's (port, token), broadcast from process 0 (a collective)."""
     from jax.experimental import multihost_utils
@@ -144,8 +103,8 @@ def _host(coordinator: str) -> str:
 
 # ---- the leader's end ------------------------------------------------------------------
 class Leader:
-    """The device op log: PagedEngine calls it (`engine.ops`) right before each device call;
-    every follower receives the call and makes it too. Engine-thread only (one writer)."""
+    """The device op log: LeaderEngine calls it right before each device call; every follower
+    receives the call and makes it too. Engine-thread only (one writer)."""
 
     def __init__(self, socks: list[socket.socket], on_lost=None):
         self._socks, self._closed = socks, False
@@ -161,7 +120,7 @@ class Leader:
         """Listen, hand the port and a token to every process, accept each follower once."""
         host = _host(coordinator)
         loopback = host in ("localhost", "127.0.0.1", "::1")
-        listener = socket.create_server(("127.0.0.1" if loopback else "", int(os.environ.get(PORT_ENV, "0"))))
+        listener = socket.create_server(("127.0.0.1" if loopback else "", env.MULTIHOST_PORT.get() or 0))
         listener.settimeout(timeout)
         token = secrets.token_bytes(16)
         _handshake(listener.getsockname()[1], token)
@@ -177,7 +136,7 @@ class Leader:
                                        f"within {timeout:.0f} s") from None
                 conn.settimeout(10.0)
                 try:
-                    op, meta, _ = _recv(conn, limit=4096)
+                    op, meta, _ = recv(conn, limit=4096)
                 except (LeaderGone, OSError, ValueError):
                     conn.close()
                     continue
@@ -210,12 +169,11 @@ class Leader:
             if self._closed:
                 raise RuntimeError("this multi-host instance's followers were stopped: no more device calls")
             for s in self._socks:
-                _send(s, op, meta, host)
+                send(s, op, meta, host)
             self.ops_sent += 1
 
-    def step(self, batch: PackedBatch, sampling: tuple, *, max_q_len: int, greedy: bool,
-             return_logits: bool) -> None:
-        self._broadcast("step", {"max_q_len": max_q_len, "greedy": bool(greedy), "return_logits": return_logits},
+    def step(self, batch: PackedBatch, sampling: tuple, *, max_q_len: int, greedy: bool) -> None:
+        self._broadcast("step", {"max_q_len": max_q_len, "greedy": bool(greedy)},
                         [*jax.tree_util.tree_leaves(batch), *sampling])
 
     def import_kv(self, run, pages: list[int]) -> None:
@@ -236,10 +194,31 @@ class Leader:
             self._closed = True
             for s in self._socks:
                 try:
-                    _send(s, "stop", {}, [])
+                    send(s, "stop", {}, [])
                     s.shutdown(socket.SHUT_WR)
                 except OSError:
                     pass
+
+
+class LeaderEngine(PagedEngine):
+    """Process 0's engine: each device call (a step, a KV import's write, a KV export's read)
+    told to every follower through `leader` just before it is made here."""
+
+    def __init__(self, cfg, weights, fingerprint: str, config=None, *, leader: Leader):
+        super().__init__(cfg, weights, fingerprint, config)
+        self.leader = leader
+
+    def _device_step(self, batch, sampling: tuple, *, max_q_len: int, greedy: bool):
+        self.leader.step(batch, sampling, max_q_len=max_q_len, greedy=greedy)
+        return super()._device_step(batch, sampling, max_q_len=max_q_len, greedy=greedy)
+
+    def _write_kv(self, run, pages: list[int]) -> None:
+        self.leader.import_kv(run, pages)
+        super()._write_kv(run, pages)
+
+    def _read_kv(self, pages: list[int], start: int, end: int) -> list[KVRun]:
+        self.leader.export_kv(pages, start, end)
+        return super()._read_kv(pages, start, end)
 
 
 # ---- a follower's end ------------------------------------------------------------------
@@ -252,14 +231,14 @@ class Follower:
         port, token = _handshake()
         sock = socket.create_connection((_host(coordinator), port), timeout=timeout)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        _send(sock, "hello", {"process_id": process_id, "token": token.hex()}, [])
+        send(sock, "hello", {"process_id": process_id, "token": token.hex()}, [])
         sock.settimeout(None)  # an idle leader sends nothing for as long as it likes
         return cls(sock)
 
     def receive(self) -> tuple[str, dict, list[np.ndarray]]:
         """The next op (LeaderGone when the channel ends without a stop)."""
         try:
-            return _recv(self._sock)
+            return recv(self._sock)
         except OSError as e:
             raise LeaderGone(f"the leader's channel failed: {e}") from None
 
@@ -268,14 +247,12 @@ class Follower:
 
 
 def _replay_step(engine, meta: dict, arrays: list[np.ndarray]) -> None:
-    from pddjax.engines.step import run_step
-
     n = len(dataclasses.fields(PackedBatch))
     batch = PackedBatch(*arrays[:n])  # numpy, as the leader's step passes them (and precompile builds)
     sampling = tuple(arrays[n:])  # seeds, steps, temperature, top_k, top_p
     _, _, engine.pool = run_step(engine.weights, engine.cfg, batch, engine.pool, *sampling,
                                  max_q_len=meta["max_q_len"], impl=engine.config.attention, greedy=meta["greedy"],
-                                 return_logits=meta["return_logits"], layout=engine.layout)
+                                 layout=engine.layout)
 
 
 def _replay_import(engine, meta: dict, arrays: list[np.ndarray]) -> None:

@@ -19,8 +19,9 @@ mesh over N local devices; the weights and the pool live sharded on it (the pool
 heads, or replicated when the model has fewer KV heads than N) and every step runs the one
 sharded executable of its shape. Callers see the same API; KV export gathers the shards.
 
-Multi-host (`ops`, engines/multihost.py): the leader's engine tells its `ops` of each device call
-(step, KV import, KV export) just before making it; the other processes make the same call.
+Device calls: a step's forward (`_device_step`), a KV import's write (`_write_kv`) and a KV
+export's read (`_read_kv`) are the engine's only calls that touch devices; a multi-host leader
+(engines/multihost.LeaderEngine) overrides them to tell its followers first.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pddjax.engines import buckets, step_batch
+from pddjax.engines.engine_api import Engine, TokenEvent
 from pddjax.engines.engine_config import EngineConfig
 from pddjax.engines.mesh import EngineMesh
 from pddjax.engines.sequence import Sequence
@@ -47,18 +49,9 @@ from pddjax.model.config import ModelConfig
 from pddjax.model.sampling_params import GREEDY, SamplingParams
 
 
-@dataclasses.dataclass
-class TokenEvent:
-    seq_id: str
-    position: int  # output position (0 = first generated token)
-    token: int
-    finish_reason: str | None  # set on the sequence's last token
-
-
-class PagedEngine:
+class PagedEngine(Engine):
     def __init__(self, cfg: ModelConfig, weights: wmod.Weights, fingerprint: str,
-                 config: EngineConfig | None = None, ops=None):
-        # ops: a multi-host instance's leader (engines/multihost.Leader) hears of each device call first
+                 config: EngineConfig | None = None):
         config = config or EngineConfig()
         if config.attention == "auto":
             config = dataclasses.replace(config, attention=default_impl())
@@ -67,7 +60,7 @@ class PagedEngine:
         tp = config.tensor_parallel
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel must be a positive integer, got {tp!r}")
-        self.cfg, self.config, self.fingerprint, self.ops = cfg, config, fingerprint, ops
+        self.cfg, self.config, self.fingerprint = cfg, config, fingerprint
         self.layout = EngineMesh.build(cfg, config.tensor_parallel)  # ValueError: degree not admitted / no devices
         self.weights = self.layout.put_weights(wmod.cast(weights, jnp.dtype(config.dtype)))
         self.pool = self.layout.put_pool(KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, config.num_pages,
@@ -168,11 +161,12 @@ class PagedEngine:
             raise KVImportError(f"KV for {seq_id} runs to token {end} past its {seq.num_tokens} known tokens")
         if end <= have:
             return
-        tail = from_token(run, have)
-        if self.ops is not None:
-            self.ops.import_kv(tail, seq.pages.pages)
-        self.pool = self.layout.put_pool(import_run(self.pool, tail, seq.pages.pages, self.fingerprint))
+        self._write_kv(from_token(run, have), seq.pages.pages)
         seq.pages.num_tokens = end
+
+    def _write_kv(self, run: KVRun | list[KVRun], pages: list[int]) -> None:
+        """The device call of a KV import: `run` written into `pages`."""
+        self.pool = self.layout.put_pool(import_run(self.pool, run, pages, self.fingerprint))
 
     def append_tokens(self, seq_id: str, start_pos: int, tokens: list[int]) -> None:
         """Output tokens produced elsewhere (RLD -> MD handoff), at output positions start_pos..."""
@@ -182,43 +176,45 @@ class PagedEngine:
     def has_work(self) -> bool:
         return any(s.num_pending for s in self.seqs.values())
 
-    def step(self, return_logits: bool = False):
-        """Run one packed step over all sequences with pending tokens -> list[TokenEvent]
-        (plus {seq_id: logits [V]} when return_logits)."""
+    def step(self) -> list[TokenEvent]:
+        """Run one packed step over all sequences with pending tokens -> a TokenEvent per sampled row."""
         S = self.config.page_size
         self.step_rows = None  # set once the rows are chosen: what a failing step fails
+        # choose: the rows of this step and the member of the stated shape set they pad to
         rows, self._multi_first = buckets.pack_rows(
             self.shapes, self.config.pad_limit, [s for s in self.seqs.values() if s.num_pending],
             self.config.max_step_tokens, self.config.max_rows, self._multi_first, S, lambda s: s.pages.num_tokens)
         if not rows:
-            return ([], {}) if return_logits else []
-        self.step_rows = [seq.seq_id for seq, _ in rows]  # the sequences a failing step fails
+            return []
+        self.step_rows = [seq.seq_id for seq, _ in rows]  # row order: the sequences a failing step fails
         width = max(pages_needed(seq.pages.num_tokens + n, S) for seq, n in rows)  # the widest page table
         shape = buckets.fit(self.shapes, sum(n for _, n in rows), len(rows), width, max(n for _, n in rows))
         batch, sample_rows, greedy = self._build(rows, shape)
         sp = self._sampling_arrays(rows, shape[1])
         self.last_shape = (*shape, len(rows))
-        if self.ops is not None:
-            self.ops.step(batch, sp, max_q_len=shape[3], greedy=greedy, return_logits=return_logits)
-        tokens, logits, self.pool = run_step(
-            self.weights, self.cfg, batch, self.pool, *sp, max_q_len=shape[3],
-            impl=self.config.attention, greedy=greedy, return_logits=return_logits, layout=self.layout)
-        self.num_steps += 1  # the step runs asynchronously: the KV bookkeeping overlaps it
+        # run: asynchronous on the device, so the KV bookkeeping below overlaps it
+        tokens = self._device_step(batch, sp, max_q_len=shape[3], greedy=greedy)  # [B]
+        self.num_steps += 1
         for seq, n in rows:
             seq.pages.num_tokens += n
-        tokens = np.asarray(tokens)  # [B] (waits for the step)
-        events, row_logits = [], {}
+        # update: each sampled row's token recorded (np.asarray waits for the step)
+        tokens = np.asarray(tokens)
+        events = []
         for r, (seq, _) in enumerate(rows):
             if not sample_rows[r]:
                 continue
             pos = len(seq.generated)
             seq.record(int(tokens[r]))
             events.append(TokenEvent(seq.seq_id, pos, int(tokens[r]), seq.finish_reason))
-            if return_logits:
-                row_logits[seq.seq_id] = np.asarray(logits[r])
             if seq.finish_reason and not seq.hold_on_finish:
                 self.release(seq.seq_id)
-        return (events, row_logits) if return_logits else events
+        return events
+
+    def _device_step(self, batch, sampling: tuple, *, max_q_len: int, greedy: bool):
+        """The device call of a step: forward + sample, the pool advanced -> tokens [B]."""
+        tokens, _, self.pool = run_step(self.weights, self.cfg, batch, self.pool, *sampling, max_q_len=max_q_len,
+                                        impl=self.config.attention, greedy=greedy, layout=self.layout)
+        return tokens
 
     def _build(self, rows, shape: buckets.Shape):
         return step_batch.build(rows, shape, self.config.page_size)
@@ -246,9 +242,11 @@ class PagedEngine:
         end = seq.pages.num_tokens if end is None else end
         if not 0 <= start <= end <= seq.pages.num_tokens:
             raise ValueError(f"cannot export tokens [{start}, {end}) of {seq_id}: {seq.pages.num_tokens} computed")
-        if self.ops is not None:
-            self.ops.export_kv(seq.pages.pages, start, end)
-        return export_shards(self.pool, seq.pages.pages, start, end, self.fingerprint)
+        return self._read_kv(seq.pages.pages, start, end)
+
+    def _read_kv(self, pages: list[int], start: int, end: int) -> list[KVRun]:
+        """The device call of a KV export: tokens [start, end) of `pages`, one piece per head range."""
+        return export_shards(self.pool, pages, start, end, self.fingerprint)
 
     def cache_prefix(self, seq_id: str) -> None:
         """Insert a live sequence's computed full pages into the prefix cache (if on) now; the

@@ -19,6 +19,7 @@ from pddjax.engines import buckets, step
 from pddjax.kv.allocator import NULL_PAGE
 from pddjax.kv.canonical import export_run, import_run
 from pddjax.model.paged import PackedBatch
+from pddjax.sizes import pow2_at_least
 
 HEADROOM = 16  # LRU room beyond the set (test-only variants such as return_logits)
 KV_MIN_BUCKET = 16  # kv.canonical pads a run's tokens to 16, 32, 64, ...
@@ -41,7 +42,7 @@ def kv_buckets(engine) -> list[int]:
     """Token counts the KV copies pad to, up to the longest sequence this engine can hold."""
     cfg = engine.config
     longest = min(engine.cfg.max_context, (cfg.num_pages - 1) * cfg.page_size)
-    return buckets.ladder(KV_MIN_BUCKET, buckets.pow2_at_least(longest, KV_MIN_BUCKET), 2)
+    return buckets.ladder(KV_MIN_BUCKET, pow2_at_least(longest, KV_MIN_BUCKET), 2)
 
 
 def precompile(engine) -> tuple[int, float]:

@@ -20,14 +20,12 @@ from pddjax.model.config import ModelConfig
 from pddjax.model.dense import DenseKV, forward_dense
 from pddjax.model.sampling import sample
 from pddjax.model.sampling_params import GREEDY, SamplingParams
+from pddjax.sizes import pow2_at_least
 
 
-def bucket(n: int, minimum: int = 16) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    b = minimum
-    while b < n:
-        b *= 2
-    return b
+def bucket(n: int) -> int:
+    """A dense cache's length: the smallest power of two >= max(n, 16)."""
+    return pow2_at_least(n, 16)
 
 
 @dataclasses.dataclass

@@ -31,17 +31,16 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
-import os
 import threading
 import weakref
 
 import jax
 import numpy as np
 
+from pddjax import env
 from pddjax.model.paged import PackedBatch, forward_paged
 from pddjax.model.sampling import sample
 
-DEFAULT_EXECUTABLES = 128
 TRIM_EVERY = 8  # evictions between clearing JAX's internal caches
 
 
@@ -188,7 +187,7 @@ def _release_jax_caches() -> None:
         pass
 
 
-_executables = Executables(int(os.environ.get("PDDJAX_STEP_EXECUTABLES", DEFAULT_EXECUTABLES)))
+_executables = Executables(env.STEP_EXECUTABLES.get())  # read once: the cache is process-wide
 
 
 def _arguments(w, cfg, batch, pool, sampling, greedy, max_q_len, impl, return_logits, layout):

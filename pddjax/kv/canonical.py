@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pddjax.kv.allocator import NULL_PAGE
 from pddjax.kv.pool import KVPool, read_tokens, write_tokens
+from pddjax.sizes import pow2_at_least
 
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
 
@@ -126,13 +127,6 @@ def head_ranges(pool: KVPool) -> list[tuple[int, int]]:
     return sorted({s.index[1].indices(K)[:2] for s in pool.k.addressable_shards})
 
 
-def _bucket(n: int) -> int:
-    b = 16
-    while b < n:
-        b *= 2
-    return b
-
-
 def _slots(pages: list[int], page_size: int, start: int, n: int, padded: int) -> tuple[np.ndarray, np.ndarray]:
     """Slots of positions start..start+n in `pages`, padded to `padded` with page 0."""
     pos = np.arange(start, start + n)
@@ -173,7 +167,7 @@ def export_shards(pool: KVPool, pages: list[int], start: int, end: int, fingerpr
     per distinct head range of the pool's shards (by first head; replicas read once). Each
     device gathers its own heads; each shard is read to the host on its own."""
     n = end - start
-    sp, so = _slots(pages, pool.page_size, start, n, _bucket(n))
+    sp, so = _slots(pages, pool.page_size, start, n, pow2_at_least(n, 16))
     k, v = _gather(pool, jnp.asarray(sp), jnp.asarray(so))  # [L, Tpad, K, D], sharded as the pool
     K, name = k.shape[2], jnp.dtype(pool.dtype).name
     if not k.is_fully_addressable:  # a pool across processes (engines/multihost.py): every process runs this
@@ -252,7 +246,7 @@ def import_run(pool: KVPool, run: Pieces, pages: list[int], fingerprint: str) ->
     n = end - start
     if end > len(pages) * pool.page_size:
         raise KVImportError(f"{len(pages)} pages of {pool.page_size} cannot hold tokens up to {end}")
-    padded = _bucket(n)
+    padded = pow2_at_least(n, 16)
     sp, so = _slots(pages, pool.page_size, start, n, padded)
     k, v = _place(pieces, "k", pool, padded), _place(pieces, "v", pool, padded)
     return _scatter(pool, k, v, jnp.asarray(sp), jnp.asarray(so))

@@ -16,13 +16,15 @@ import logging
 import os
 from collections.abc import Callable
 
+from pddjax import env
+
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 22  # bytes hashed per read
 
 
 def cache_root() -> str:
-    return os.environ.get("PDDJAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pddjax"))
+    return env.cache_dir()
 
 
 def _entry_path(kind: str, path: str) -> str:

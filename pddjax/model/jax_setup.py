@@ -26,12 +26,11 @@ def configure(platform: str | None = None, devices: int = 1) -> None:
         _request_cpu_devices(jax, devices)
     if _done:
         return
-    from pddjax.model.fingerprint import cache_root
+    from pddjax import env
 
     if platform:
         jax.config.update("jax_platforms", platform)
-    cache_dir = os.environ.get("PDDJAX_JIT_CACHE_DIR", os.path.join(cache_root(), "jit"))
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_compilation_cache_dir", env.jit_cache_dir())
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     _done = True

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from pddjax.kv.pool import KVPool
 from pddjax.model import layers as nn
-from pddjax.model.attention import paged_attention
+from pddjax.model.attention import Ragged, paged_attention
 from pddjax.model.config import ModelConfig
 from pddjax.model.weights import Weights
 
@@ -46,7 +46,7 @@ def forward_paged(w: Weights, cfg: ModelConfig, batch: PackedBatch, pool: KVPool
     split when `kv_sharded`, else replicated); GSPMD partitions the rest (one all-reduce after
     the attention output and one after the MLP per layer)."""
     h = nn.embed(w, batch.tokens)  # [T, E]
-    sm_scale = cfg.head_dim**-0.5
+    rows = Ragged(batch.cu_q_lens, batch.kv_lens, batch.page_tables, max_q_len, cfg.head_dim**-0.5)
 
     def layer_step(carry, xs):
         h, kp, vp = carry  # kp, vp: [L, K, P, S, D]
@@ -60,9 +60,7 @@ def forward_paged(w: Weights, cfg: ModelConfig, batch: PackedBatch, pool: KVPool
         vp = vp.at[i, :, batch.slot_pages, batch.slot_offsets].set(v.astype(vp.dtype))
         if mesh is not None:  # the pool stays as placed (GSPMD would re-split a replicated one)
             kp, vp = _pin(kp, mesh, kv_sharded), _pin(vp, mesh, kv_sharded)
-        o = paged_attention(q, kp, vp, batch.cu_q_lens, batch.kv_lens, batch.page_tables,
-                            max_q_len=max_q_len, sm_scale=sm_scale, impl=impl, layer=i, mesh=mesh,
-                            kv_sharded=kv_sharded)  # [T, H, D]
+        o = paged_attention(q, kp, vp, rows, impl=impl, layer=i, mesh=mesh, kv_sharded=kv_sharded)  # [T, H, D]
         h = nn.attn_out(layer, h, o)
         h = nn.mlp(layer, h, cfg)
         return (h, kp, vp), None

@@ -39,19 +39,13 @@ modes and warm-up fill the persistent cache, so the model does not time that.
 from __future__ import annotations
 
 from pddjax.sim.measured import MeasuredInstance, interp
-
-
-def pow2(n: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return b
+from pddjax.sizes import pow2_at_least
 
 
 def table_width(kv_tokens: int, page_size: int) -> int:
     """The page-table bucket of a row holding kv_tokens (pddjax.engines.buckets.pages_bucket)."""
     pages = max(1, -(-kv_tokens // page_size))
-    return max(8, -(-pages // 8) * 8) if pages <= 64 else pow2(pages)
+    return max(8, -(-pages // 8) * 8) if pages <= 64 else pow2_at_least(pages)
 
 
 def kv_slots(kv_tokens: int, page_size: int) -> int:
@@ -69,13 +63,13 @@ class StepModel:
         self.g_far = (perf.gather_far_ns_per_slot or perf.gather_ns_per_slot) * 1e-9
         self.knee = perf.gather_knee_slots
         S, ctx = perf.page_size, perf.context
-        lin = [(k, t - self._attn(1, pow2(k), kv_slots(ctx + k, S))) for k, t in perf.extend]
+        lin = [(k, t - self._attn(1, pow2_at_least(k), kv_slots(ctx + k, S))) for k, t in perf.extend]
         n = 512  # `bench engine`'s prefill: one 512-token prompt in one step
         if all(k < n for k, _ in lin):
             lin.append((n, n / perf.prefill_tokens_per_s - self._attn(1, n, kv_slots(n, S))))
         self._lin = [(k, max(t, 1e-6)) for k, t in lin]
         # may be negative: `bench engine` times a 1-token decode step below a 1-token extend step
-        self._rows = [(b, t - self._attn(pow2(int(b)), 1, kv_slots(ctx + 16, S)) - self.lin(int(b)))
+        self._rows = [(b, t - self._attn(pow2_at_least(int(b)), 1, kv_slots(ctx + 16, S)) - self.lin(int(b)))
                       for b, t in perf.decode]
         self.shapes: dict[tuple[int, int, int, int], int] = {}  # (T, B, width, Q) -> steps run
         self.seconds = 0.0  # solo seconds of every step timed so far
@@ -96,7 +90,7 @@ class StepModel:
 
     def lin(self, tokens: int) -> float:
         """Token-proportional seconds of a step of `tokens` (bucketed) tokens."""
-        return interp(self._lin, pow2(max(1, tokens)))
+        return interp(self._lin, pow2_at_least(max(1, tokens)))
 
     def step_s(self, decode_rows: int = 0, decode_kv: int = 0, chunks: list[tuple[int, int]] = ()) -> float:
         """A step with `decode_rows` one-token rows (longest context `decode_kv` after the
@@ -107,7 +101,7 @@ class StepModel:
         rows = decode_rows + len(chunks)
         q = max([1] * (decode_rows > 0) + [k for k, _ in chunks])
         kv = max([decode_kv] * (decode_rows > 0) + [c for _, c in chunks])
-        key = (pow2(tokens), pow2(rows), table_width(kv, self.perf.page_size), pow2(q))
+        key = (pow2_at_least(tokens), pow2_at_least(rows), table_width(kv, self.perf.page_size), pow2_at_least(q))
         t = self.table[key] if key in self.table else self.scale * self._formula(*key, decode_rows=decode_rows)
         if key not in self.shapes:
             t += self.perf.first_use_s  # this engine lowers the shape and loads its executable

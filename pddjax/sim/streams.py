@@ -1,6 +1,6 @@
 """One target of P's KV: the tokens from `start` on, streamed as P produces them.
 
-pddjax's P exports each step's KV and pushes it to every target at once (prefill_service.py):
+pddjax's P exports each step's KV and pushes it to every target at once (serving/engine/prefill.py):
 - on P's asyncio thread each piece is cut into KVChunks of `chunk_bytes` (45 tokens of
   SmolLM2-135M f32 KV at 2 MiB) and serialized (host: `serialize_s_per_token`);
 - over the link: a tier in A (RLD, local D) over loopback, MD over the WAN (a stream on the

@@ -42,6 +42,7 @@ def register(sub) -> None:
 def run_reference(args) -> int:
     import os
 
+    from pddjax import env
     from pddjax.model.jax_setup import configure
 
     configure()
@@ -57,13 +58,13 @@ def run_reference(args) -> int:
     figures: dict = {"model": args.model, "dtype": args.dtype, "backend": jax.default_backend()}
     if args.model != "tiny":  # cold (GGUF) then warm (orbax) start, in a scratch cache
         with tempfile.TemporaryDirectory() as d:
-            old = os.environ.get("PDDJAX_CACHE_DIR")
-            os.environ["PDDJAX_CACHE_DIR"] = d
+            old = os.environ.get(env.CACHE_DIR.name)
+            os.environ[env.CACHE_DIR.name] = d
             try:
                 cold = load_model(args.model)
                 warm = load_model(args.model)
             finally:
-                os.environ.pop("PDDJAX_CACHE_DIR") if old is None else os.environ.__setitem__("PDDJAX_CACHE_DIR", old)
+                os.environ.pop(env.CACHE_DIR.name) if old is None else os.environ.__setitem__(env.CACHE_DIR.name, old)
         figures["load_s"] = {"gguf": round(cold.load_seconds, 2), "orbax_cache": round(warm.load_seconds, 2)}
         model = warm
     else:

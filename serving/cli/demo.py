@@ -59,17 +59,18 @@ def doc_message(year: int = 1911) -> str:
 
 
 def start_stack(state: str) -> subprocess.Popen:
-    from serving.stack.up import READY_SECONDS
+    from pddjax.env import READY_SECONDS
 
+    wait_s = READY_SECONDS.get() + 120  # pddjax up waits READY_SECONDS for its services
     proc = subprocess.Popen([sys.executable, "-m", "serving", "up", "--port", "0", "--state", state, *WAN],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + READY_SECONDS + 120  # pddjax up waits READY_SECONDS for its services
+    deadline = time.monotonic() + wait_s
     while not os.path.exists(state):
         if proc.poll() is not None:
             raise SystemExit(f"pddjax up failed:\n{proc.stdout.read()}")
         if time.monotonic() > deadline:
             proc.terminate()
-            raise SystemExit(f"pddjax up did not start within {READY_SECONDS + 120:.0f} s")
+            raise SystemExit(f"pddjax up did not start within {wait_s:.0f} s")
         time.sleep(0.2)
     return proc
 
@@ -154,9 +155,9 @@ def curl_line(base_url: str, model: str = "smollm2-135m") -> str:
     """A `curl` a user can paste: one streamed chat turn through the gateway (serving/openai)."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Name three lighthouses."}],
                        "max_tokens": 48, "stream": True})
-    from serving import security
+    from pddjax.env import ROUTER_TOKEN_FILE
 
-    token_file = os.environ.get(security.TOKEN_FILE_ENV)  # the router's bearer token is the API key
+    token_file = ROUTER_TOKEN_FILE.get()  # the router's bearer token is the API key
     auth = f' -H "Authorization: Bearer $(cat {token_file})"' if token_file else ""
     return f"curl -N {base_url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 

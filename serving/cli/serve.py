@@ -6,10 +6,8 @@ import argparse
 import asyncio
 import os
 
+from pddjax import env
 from pddjax.errors import UserError
-
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              "configs", "pddjax.toml")
 
 
 def register(sub) -> None:
@@ -24,7 +22,7 @@ def register(sub) -> None:
     p.set_defaults(func=run_serve)
 
     u = sub.add_parser("up", help="start P, RLD, MD and the router on this machine behind a slowable WAN link")
-    u.add_argument("--config", help="stack config (TOML or JSON); default configs/pddjax.toml")
+    u.add_argument("--config", help="stack config (TOML or JSON); default: the packaged serving/default_stack.toml")
     u.add_argument("--port", type=int, default=50051, help="router port")
     u.add_argument("--openai-port", type=int, default=0,
                    help="port of the OpenAI-compatible HTTP gateway (default: any free one; its base URL is printed "
@@ -142,7 +140,7 @@ def run_certs(args) -> int:
 
 
 def _die_with_parent() -> None:
-    if os.environ.get("PDDJAX_DIE_WITH_PARENT") != "1":
+    if not env.DIE_WITH_PARENT.get():
         return
     try:
         import ctypes
@@ -156,13 +154,13 @@ def _die_with_parent() -> None:
 def _pin_cpus() -> None:
     """PDDJAX_CPUS="0,1": run this service on those CPUs only (set before JAX starts, so XLA's
     thread pool is sized to them). `bench serve` gives each emulated datacenter its own cores."""
-    spec = os.environ.get("PDDJAX_CPUS", "").strip()
-    if not spec:
+    cpus = env.CPUS.get()
+    if not cpus:
         return
     try:
-        os.sched_setaffinity(0, {int(c) for c in spec.split(",")})
-    except (ValueError, OSError) as e:
-        raise UserError(f"cannot pin to CPUs {spec!r} (PDDJAX_CPUS): {e}") from None
+        os.sched_setaffinity(0, set(cpus))
+    except OSError as e:
+        raise UserError(f"cannot pin to CPUs {cpus} ({env.CPUS.name}): {e}") from None
 
 
 def run_serve(args) -> int:
@@ -232,12 +230,9 @@ def _apply_multihost_flags(args, cfg) -> None:
 
 
 def load_stack(args) -> dict:
-    from serving.config import ENGINE_ROLES, read_file, service_config
+    from serving.config import ENGINE_ROLES, default_stack, read_file, service_config
 
-    if args.config is None and not os.path.exists(DEFAULT_CONFIG):
-        stack = {"model": "smollm2-135m", "platform": "cpu"}  # installed without the repo's configs/
-    else:
-        stack = read_file(args.config or DEFAULT_CONFIG)
+    stack = read_file(args.config) if args.config else default_stack()
     if args.model:
         stack["model"] = args.model
         for r in (*ENGINE_ROLES, "router"):

@@ -20,28 +20,29 @@ A request's life here:
                A cancel leaves a tombstone: a Reserve arriving late for that id is ABORTED.
   Info, MatchPrefix  as on every engine service (info.py).
 Leases: a reservation with no open Decode stream and no traffic (PushKV, Handoff*) for
-LEASE_SECONDS is dropped (an aborted transfer or a vanished router never leaks a slot); one
-still waiting for its KV with no KV traffic for KV_WAIT_SECONDS is dropped even with its
+PDDJAX_LEASE_SECONDS is dropped (an aborted transfer or a vanished router never leaks a slot); one
+still waiting for its KV with no KV traffic for PDDJAX_KV_WAIT_SECONDS is dropped even with its
 stream open (DEADLINE_EXCEEDED on that stream).
 
 Sequences are held on finish (hold_on_finish) so MD's tokens sampled ahead of a chunked
 handoff are kept until the final chunk confirms them; tokens that disagree with RLD's (a
 heterogeneous pair) are rolled back and recomputed: the user's stream is RLD's up to N.
-A request's state is a Slot in the service's SlotTable (slot.py); this file holds the
-service, which owns the table, the KV receiver and the handoff, and answers Reserve, Decode
-and Release itself, with the leases and the engine step's hook.
+A request's state is a Slot in the service's SlotTable (slot.py: a SlotState, moved only as
+its LEGAL_TRANSITIONS allow); this file holds the service, which owns the table, the KV
+receiver and the handoff, and answers Reserve, Decode and Release itself, with the leases and
+the engine step's hook.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 
+from pddjax import env
 from pddjax.kv.allocator import OutOfPages
 from pddjax.kv.page_table import pages_needed
 from serving import rpc
@@ -49,9 +50,9 @@ from serving.engine import decode_stream
 from serving.engine.handoff import Handoff
 from serving.engine.info import match_prefix, service_info
 from serving.engine.kv_receiver import KVReceiver
-from serving.engine.page_queue import PageQueue, QueueFull
+from serving.engine.page_queue import REFUSED, PageQueue, refusal_status
 from serving.engine.probe import probe
-from serving.engine.slot import RpcFailure, Slot, SlotTable
+from serving.engine.slot import WAITING, RpcFailure, Slot, SlotTable
 from serving.engine.worker import EngineWorker, resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
 
@@ -59,10 +60,6 @@ if TYPE_CHECKING:
     from pddjax.engines.paged_engine import PagedEngine
     from pddjax.model.config import ModelConfig
 
-LEASE_SECONDS = float(os.environ.get("PDDJAX_LEASE_SECONDS", "60"))
-# A reserved request whose KV does not arrive (no chunk, no handoff) for this long is dropped,
-# even with its Decode stream open (P or the router gone midway must not pin pages forever).
-KV_WAIT_SECONDS = float(os.environ.get("PDDJAX_KV_WAIT_SECONDS", "120"))
 LINGER_LEASES = 3  # a slot alive this many leases is logged once with its state
 
 
@@ -90,22 +87,24 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     async def _expire_leases(self) -> None:
         while True:
-            await asyncio.sleep(min(5.0, LEASE_SECONDS / 4, KV_WAIT_SECONDS / 4))
+            # the leases of the module docstring (pddjax.env: P or a router gone must not pin pages)
+            lease_s, kv_wait_s = env.LEASE_SECONDS.get(), env.KV_WAIT_SECONDS.get()
+            await asyncio.sleep(min(5.0, lease_s / 4, kv_wait_s / 4))
             now = time.monotonic()
             for slot in self.slots:
                 idle = now - slot.touched
-                if not slot.closed and slot.streams == 0 and idle > LEASE_SECONDS:
+                if not slot.closed and slot.streams == 0 and idle > lease_s:
                     failure = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
                                          f"the reservation of {slot.request_id} on {self.role} expired "
-                                         f"after {LEASE_SECONDS:.0f} s without traffic")
+                                         f"after {lease_s:.0f} s without traffic")
                     await self.worker.call(lambda e, s=slot, f=failure: self.slots.close(s, f, cache=False))
-                elif not slot.closed and not slot.decoding.is_set() and idle > KV_WAIT_SECONDS:
-                    # an open stream keeps a reservation, but not one whose KV never comes
+                elif slot.state in WAITING and idle > kv_wait_s:
+                    # an open stream keeps a reservation, but not one whose KV (or handoff) never comes
                     failure = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
                                          f"no KV for {slot.request_id} reached {self.role} within "
-                                         f"{KV_WAIT_SECONDS:.0f} s; its reservation is dropped")
+                                         f"{kv_wait_s:.0f} s; its reservation is dropped")
                     await self.worker.call(lambda e, s=slot, f=failure: self.slots.close(s, f, cache=False))
-                elif not slot.closed and not slot.reported and now - slot.born > LINGER_LEASES * LEASE_SECONDS:
+                elif not slot.closed and not slot.reported and now - slot.born > LINGER_LEASES * lease_s:
                     slot.reported = True  # legitimate for a long generation; a leak shows up here first
                     print(f"{self.role}: {slot.request_id} alive {now - slot.born:.0f} s "
                           f"({await self.worker.call(_describe, slot)})", file=sys.stderr, flush=True)
@@ -176,12 +175,8 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         except OutOfPages:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the {self.role} pool cannot hold {len(prompt)} + {max_tokens} tokens now")
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except TimeoutError as e:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except REFUSED as e:  # a full queue, the deadline, a request that can never fit
+            await context.abort(refusal_status(e), str(e))
         return cluster_pb2.ReserveResponse(cached_tokens=cached, queued_ms=1e3 * queued)
 
     async def PushKV(self, request_iterator, context):
@@ -240,7 +235,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         return cluster_pb2.ReleaseResponse(found=await self.worker.call(release_and_wake))
 
     async def Info(self, request, context):
-        return await service_info(self.worker, self.info)
+        return await service_info(self.worker, self.info, check=self.slots.check_integrity)
 
     async def MatchPrefix(self, request, context):
         return await match_prefix(self.worker, self.engine.config.page_size, request, context)
@@ -255,7 +250,7 @@ def _describe(e, slot: Slot) -> str:
     state = "no sequence" if seq is None else (
         f"paused={seq.paused} kv={seq.pages.num_tokens}/{len(seq.prompt)} generated={len(seq.generated)} "
         f"pending={seq.num_pending} finish={seq.finish_reason}")
-    return (f"streams={slot.streams} emit_from={slot.emit_from} decoding={slot.decoding.is_set()} "
+    return (f"state={slot.state.name} streams={slot.streams} emit_from={slot.emit_from} "
             f"idle {time.monotonic() - slot.touched:.0f} s; {state}")
 
 

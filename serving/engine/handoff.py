@@ -9,7 +9,7 @@
                (serving/router/stream.py), then releases RLD. A chunk that fails leaves RLD
                the request: it never paused.
                one-shot: RLD pauses, hands everything in one final, MD acknowledges, RLD's
-               stream ends with handed_off_at = N. Its tries share FINAL_BUDGET_SECONDS (the
+               stream ends with handed_off_at = N. Its tries share HANDOFF_FINAL_SECONDS (the
                user waits meanwhile), after which RLD resumes.
                Each HandoffTokens try is retried when its connection breaks or its answer is lost.
   HandoffTokens (MD) append RLD's tokens and extend-decode them; a non-final chunk is
@@ -25,30 +25,28 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
-import os
 import sys
 import zlib
 from typing import TYPE_CHECKING
 
 import grpc
 
+from pddjax import env
 from serving import rpc
-from serving.engine.slot import RpcFailure
+from serving.engine.slot import RpcFailure, SlotState
 from serving.engine.worker import resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
 
 if TYPE_CHECKING:
-    from serving.engine.slot import SlotTable
+    from serving.engine.slot import Slot, SlotTable
     from serving.engine.worker import EngineWorker
 
-HANDOFF_TIMEOUT_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_TIMEOUT_SECONDS", "10"))  # per non-final try
-# The final chunk's tries together: RLD is paused meanwhile, so a slow or lost MD resumes RLD soon.
-FINAL_BUDGET_SECONDS = float(os.environ.get("PDDJAX_HANDOFF_FINAL_SECONDS", "2.0"))
+# Timeouts (pddjax.env): HANDOFF_TIMEOUT_SECONDS per try of a non-final chunk; HANDOFF_FINAL_SECONDS
+# for the final chunk's tries together (RLD is paused meanwhile, so a slow or lost MD resumes RLD
+# soon); DECODING_WAIT_SECONDS: how long a Handoff waits for RLD to start decoding (its KV to land).
 # Chunks before the final one: each is acknowledged once MD caught up, and the tail shrinks while
 # MD keeps pace; an MD slower than RLD would chase forever, so the final goes after this many.
 MAX_CATCH_UP_CHUNKS = 8
-# How long a Handoff waits for RLD to start decoding (its KV to land) at most.
-DECODING_WAIT_SECONDS = float(os.environ.get("PDDJAX_DECODING_WAIT_SECONDS", "120"))
 HANDOFF_RETRY_WAITS = (0.2, 0.5, 1.0)  # before each retry of the same chunk (MD applies it once)
 HANDOFFS_REMEMBERED = 10000  # MD: applied handoff chunks (a retry is answered, never applied twice)
 
@@ -81,9 +79,10 @@ class Handoff:
         # MD may hold its KV before RLD does (a large DRC hit): hand off only once RLD decodes,
         # waiting no longer than the caller's deadline or DECODING_WAIT_SECONDS
         remaining = rpc.time_left(context)
-        wait = DECODING_WAIT_SECONDS if remaining is None else min(remaining, DECODING_WAIT_SECONDS)
+        limit = env.DECODING_WAIT_SECONDS.get()
+        wait = limit if remaining is None else min(remaining, limit)
         try:
-            await asyncio.wait_for(slot.decoding.wait(), wait)
+            await asyncio.wait_for(slot.started.wait(), wait)  # DECODING (or CLOSED: found gone below)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{rid} did not start decoding on {self.role} "
                                                                    f"within {wait:.0f} s (its KV has not arrived)")
@@ -108,15 +107,15 @@ class Handoff:
                     request_id=rid, start_position=sent, token_ids=toks[sent:], final=True, chunk_seq=chunks))
                 return cluster_pb2.HandoffResponse(handed_off=True, handed_off_at=len(toks), chunks=chunks + 1,
                                                    tokens=len(toks))
-            toks = await self.worker.call(_pause, rid, urgent=True)
+            toks = await self.worker.call(_pause, rid, self.slots, urgent=True)
             if toks is None:
                 return cluster_pb2.HandoffResponse(handed_off=False, chunks=chunks, tokens=sent)
             try:
                 await self._send_tokens(main, cluster_pb2.HandoffTokensRequest(
                     request_id=rid, start_position=sent, token_ids=toks[sent:], final=True, chunk_seq=chunks),
-                    budget=FINAL_BUDGET_SECONDS)
+                    budget=env.HANDOFF_FINAL_SECONDS.get())
             except BaseException as e:
-                self.worker.run_soon(_resume, rid, urgent=True)  # MD failed or late: RLD finishes the request
+                self.worker.run_soon(_resume, rid, self.slots, urgent=True)  # MD failed or late: RLD finishes it
                 if isinstance(e, HandoffLate):
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
                 raise
@@ -132,7 +131,7 @@ class Handoff:
         loop = asyncio.get_running_loop()
         end = None if budget is None else loop.time() + budget
         for wait in (*HANDOFF_RETRY_WAITS, None):
-            timeout = HANDOFF_TIMEOUT_SECONDS if end is None else end - loop.time()
+            timeout = env.HANDOFF_TIMEOUT_SECONDS.get() if end is None else end - loop.time()
             try:
                 if timeout <= 0:
                     raise TimeoutError
@@ -205,10 +204,11 @@ class Handoff:
                     break
             seq.append_known(start, toks)
             seq.paused = False
+            if not request.final:
+                _running(slot)
             end = start + len(toks)
             if request.final:
-                slot.emit_from = end
-                self.slots.emit_held(slot)
+                self.slots.decode(slot, end)
                 fut.get_loop().call_soon_threadsafe(resolve, fut, min(seq.pages.num_tokens - len(seq.prompt), end))
             elif seq.pages.num_tokens >= len(seq.prompt) + end or seq.finish_reason:
                 fut.get_loop().call_soon_threadsafe(resolve, fut, end)
@@ -242,6 +242,7 @@ def _behind_final(e, rid, start, toks, slots):
     if end > have and not seq.finish_reason:
         seq.append_known(start, toks)  # known here now: MD computes their KV and emits what follows
         seq.paused = False
+        _running(slot)
     return slot.emit_from, list(seq.generated[end:slot.emit_from])
 
 
@@ -251,17 +252,33 @@ def _snapshot(e, rid):
     return None if seq is None or seq.finish_reason else list(seq.generated)
 
 
-def _pause(e, rid):
-    """Engine thread (RLD): pause for the final handoff; the tokens to hand, or None once finished."""
+def _running(slot: Slot) -> None:
+    """Engine thread: the slot's sequence was just unpaused by handed tokens: a RESERVED slot is
+    HELD (MD decodes ahead, its output held for the final), a HANDING_OFF one DECODING again."""
+    if slot.state is SlotState.RESERVED:
+        slot.move(SlotState.HELD)
+    elif slot.state is SlotState.HANDING_OFF:
+        slot.move(SlotState.DECODING)
+
+
+def _pause(e, rid, slots: SlotTable):
+    """Engine thread (RLD): pause for the final handoff (HANDING_OFF); the tokens to hand, or
+    None once finished."""
     seq = e.seqs.get(rid)
     if seq is None or seq.finish_reason:
         return None
     seq.paused = True
+    slot = slots.get(rid)
+    if slot is not None and slot.state is SlotState.DECODING:
+        slot.move(SlotState.HANDING_OFF)
     return list(seq.generated)
 
 
-def _resume(e, rid):
-    """Engine thread (RLD): the final handoff failed; decode on here."""
+def _resume(e, rid, slots: SlotTable):
+    """Engine thread (RLD): the final handoff failed; decode on here (DECODING)."""
     seq = e.seqs.get(rid)
     if seq is not None:
         seq.paused = False
+    slot = slots.get(rid)
+    if slot is not None and slot.state is SlotState.HANDING_OFF:
+        slot.move(SlotState.DECODING)

@@ -17,21 +17,25 @@ if TYPE_CHECKING:
     from serving.engine.worker import EngineWorker
 
 
-def engine_info(e) -> tuple[int, int, str]:
-    """Engine thread: (pages held by requests, sequences, integrity error or "")."""
+def engine_info(e, check=None) -> tuple[int, int, str]:
+    """Engine thread: (pages held by requests, sequences, integrity error or ""); `check`, the
+    service's own integrity check (RLD's and MD's slot table), runs after the engine's."""
     try:
         e.check_integrity()
+        if check is not None:
+            check()
         err = ""
     except AssertionError as x:
         err = str(x) or "check_integrity failed"
     return e.num_pages_active, len(e.seqs), err
 
 
-async def service_info(worker: EngineWorker, fields: dict) -> cluster_pb2.ServiceInfo:
-    """Info: the static `fields` (role, model, page size...) and the engine's occupancy now.
+async def service_info(worker: EngineWorker, fields: dict, check=None) -> cluster_pb2.ServiceInfo:
+    """Info: the static `fields` (role, model, page size...), the engine's occupancy now and
+    the integrity error of the engine or of `check` (engine_info).
     RLD and MD declare the KV wire formats their PushKV decodes (all of this build's, unless
     `fields` names fewer: then the service's KVReceiver must be given the same)."""
-    pages, n, err = await worker.call(engine_info)
+    pages, n, err = await worker.call(engine_info, check)
     if fields.get("role") != common_pb2.ROLE_PREFILL and "kv_wire_formats" not in fields:
         fields = {**fields, "kv_wire_formats": ACCEPTED}
     return cluster_pb2.ServiceInfo(**fields, pages_active=pages, requests=n, integrity_error=err)

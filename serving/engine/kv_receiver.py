@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pddjax.kv.canonical import KVImportError, degree, head_ranges, span
+from serving.engine.slot import WAITING
 from serving.kvwire import ACCEPTED, Assembler, WireError
 from serving.pb import cluster_pb2
 
@@ -123,14 +124,12 @@ class KVReceiver:
         slot, seq = self.slots.get(rid), e.seqs.get(rid)
         if slot is None or seq is None or slot.closed:
             return False
-        if slot.emit_from is not None:
+        if slot.state not in WAITING:
             return True  # a second push, from a P that replaced a failed one, changes nothing
         if known:
             seq.append_known(0, known)
             seq.paused = False
-            slot.emit_from = 0
-            self.worker.post(slot.decoding.set)
-            self.slots.emit_held(slot)
+            self.slots.decode(slot, 0)
         return True
 
 

@@ -10,7 +10,8 @@ step running), so a waiting queue costs one engine call per retry, not one per w
 head that fits leaves and the next becomes head at once (several may fit after one release).
 A full queue raises QueueFull (the caller answers RESOURCE_EXHAUSTED); a request that waited
 past its deadline raises TimeoutError (DEADLINE_EXCEEDED); one that can never fit is refused
-before it queues (PagedEngine.add's ValueError).
+before it queues (PagedEngine.add's ValueError: INVALID_ARGUMENT). `REFUSALS` is that mapping,
+the one P's Prefill and RLD / MD's Reserve answer with (`refusal_status`).
 """
 
 from __future__ import annotations
@@ -18,22 +19,37 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import os
 import time
 from typing import TYPE_CHECKING
 
+import grpc
+
+from pddjax import env
 from pddjax.kv.allocator import OutOfPages
 
 if TYPE_CHECKING:
     from serving.engine.worker import EngineWorker
 
-MAX_WAITING = int(os.environ.get("PDDJAX_MAX_WAITING", "256"))  # requests queued per service at most
 MAX_WAIT_S = 600.0  # a request that brings no deadline waits at most this long
 POLL_S = 0.05  # the head retries at least this often
 
 
 class QueueFull(Exception):
-    """The page queue holds MAX_WAITING requests already (one sentence)."""
+    """The page queue holds max_waiting requests already (one sentence)."""
+
+
+# what `admit` raises when it refuses a request -> the status the RPC answers with (one sentence: str(e))
+REFUSALS: dict[type[Exception], grpc.StatusCode] = {
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,  # too many wait already
+    TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,  # waited past the request's deadline
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # can never fit (PagedEngine.add)
+}
+REFUSED = tuple(REFUSALS)  # for `except REFUSED as e`
+
+
+def refusal_status(e: Exception) -> grpc.StatusCode:
+    """The status of a refused admission (`e` one of REFUSED)."""
+    return next(code for kind, code in REFUSALS.items() if isinstance(e, kind))
 
 
 @dataclasses.dataclass(eq=False)
@@ -43,8 +59,10 @@ class Waiter:
 
 
 class PageQueue:
-    def __init__(self, worker: EngineWorker, role: str, max_waiting: int = MAX_WAITING):
-        self.worker, self.role, self.max_waiting = worker, role, max_waiting
+    def __init__(self, worker: EngineWorker, role: str, max_waiting: int | None = None):
+        # requests queued per service at most (default: PDDJAX_MAX_WAITING)
+        self.worker, self.role = worker, role
+        self.max_waiting = env.MAX_WAITING.get() if max_waiting is None else max_waiting
         self.waiting: collections.deque[Waiter] = collections.deque()
 
     def __len__(self) -> int:

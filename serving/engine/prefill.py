@@ -12,8 +12,8 @@ native, bf16, int8, fp8, +zstd; pddjax.kv.codec) as its chunks are cut, off the 
 `transfer_done.bytes` counts the encoded bytes, `native_bytes` the canonical ones.
 
 KV lease: P holds a finished prefill's pages for its targets until each acknowledges the
-import (its PushKV answers after the last chunk landed) or fails, or KV_LEASE_SECONDS
-(PDDJAX_KV_LEASE_SECONDS) pass after the prefill: then P frees them and cancels what is
+import (its PushKV answers after the last chunk landed) or fails, or PDDJAX_KV_LEASE_SECONDS
+pass after the prefill: then P frees them and cancels what is
 left (DEADLINE_EXCEEDED). A cancel or Release frees at once; a late acknowledgement finds no
 call to answer, a late Release finds nothing (found=False).
 """
@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 
+from pddjax import env
 from pddjax.kv.page_table import pages_needed
 from serving import authz, kvwire, rpc
 from serving.engine.info import match_prefix, service_info
-from serving.engine.page_queue import PageQueue, QueueFull
+from serving.engine.page_queue import REFUSED, PageQueue, refusal_status
 from serving.engine.worker import EngineWorker, fail, resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc
 
@@ -98,12 +98,8 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
             try:  # a full pool: the prompt waits in the FIFO for pages (page_queue.py)
                 cached, queued = await self.pages.admit(admit, pages_needed(n + 1, self.engine.config.page_size),
                                                         rpc.time_left(context))
-            except QueueFull as e:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except TimeoutError as e:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except REFUSED as e:  # a full queue, the deadline, a prompt that can never fit
+                await context.abort(refusal_status(e), str(e))
             t0 = time.perf_counter()  # prefill_ms from admission on (queued_ms before it)
             tasks = [asyncio.create_task(self._push(rid, t, q, max(t.start, start0), n, chunk_bytes))
                      for t, q in zip(targets, st.queues)]
@@ -118,9 +114,9 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
                 first_token=first, num_cached=cached, prefill_ms=1e3 * (time.perf_counter() - t0),
                 queued_ms=1e3 * queued))
             # P's KV lease: the pages stay held until every target acknowledged its import (its
-            # PushKV answered), failed, or KV_LEASE_SECONDS passed since the prefill finished
+            # PushKV answered), failed, or PDDJAX_KV_LEASE_SECONDS passed since the prefill finished
             loop = asyncio.get_running_loop()
-            lease_end, pending = loop.time() + KV_LEASE_SECONDS, dict(zip(tasks, targets))
+            lease_end, pending = loop.time() + env.KV_LEASE_SECONDS.get(), dict(zip(tasks, targets))
             while pending:
                 done, _ = await asyncio.wait(pending, timeout=max(0.0, lease_end - loop.time()),
                                              return_when=asyncio.FIRST_COMPLETED)
@@ -209,13 +205,14 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         t0 = time.perf_counter()
         done = cluster_pb2.TransferDone(role=target.role, tokens=end - start)
         call = stub.PushKV(stream())
-        watch = asyncio.create_task(clock.watch(call, PUSH_STALL_SECONDS))
+        stall_s = env.PUSH_STALL_SECONDS.get()
+        watch = asyncio.create_task(clock.watch(call, stall_s))
         try:
             await call
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
             if clock.stalled:  # a blackholed link or a receiver that stopped reading: bounded
                 done.code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-                done.error = (f"no progress pushing KV to {target.address} for {PUSH_STALL_SECONDS:g} s "
+                done.error = (f"no progress pushing KV to {target.address} for {stall_s:g} s "
                               f"(PDDJAX_PUSH_STALL_SECONDS)")
             elif isinstance(e, grpc.aio.AioRpcError):
                 done.code, done.error = e.code().value[0], e.details() or str(e.code())
@@ -254,10 +251,6 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         return await match_prefix(self.worker, self.engine.config.page_size, request, context)
 
 
-PUSH_STALL_SECONDS = float(os.environ.get("PDDJAX_PUSH_STALL_SECONDS", "30"))
-KV_LEASE_SECONDS = float(os.environ.get("PDDJAX_KV_LEASE_SECONDS", "120"))  # see Prefill
-
-
 class _Released(Exception):
     """The request was released (Release RPC) while P was still prefilling it."""
 
@@ -269,7 +262,7 @@ class _StepFailed(Exception):
 def _lease_expired(rid: str, target) -> cluster_pb2.TransferDone:
     return cluster_pb2.TransferDone(
         role=target.role, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-        error=f"{target.address} did not acknowledge the KV of {rid} within {KV_LEASE_SECONDS:g} s of its "
+        error=f"{target.address} did not acknowledge the KV of {rid} within {env.KV_LEASE_SECONDS.get():g} s of its "
               f"prefill; P freed it (PDDJAX_KV_LEASE_SECONDS)")
 
 

@@ -1,9 +1,20 @@
 """A request's state on a Decode service (RLD or MD), and the table of them.
 
+SlotState and LEGAL_TRANSITIONS: a reserved request's lifecycle (the engine thread moves it,
+`Slot.move`; a move the table does not list raises IllegalTransition):
+
+  RESERVED     sequence added, paused: its KV (RLD; MD in pd-cross) or RLD's handoff (MD in pdd) to come
+  HELD         MD: RLD's catch-up chunks applied; MD decodes ahead of RLD, its output held for the final
+  DECODING     output from `emit_from` on goes to the stream (the KV's known tokens, or the final handoff)
+  HANDING_OFF  RLD: paused while MD takes the one-shot final handoff; decodes on if it fails
+  CLOSED       the last item posted and the sequence released; leaves the table on the event loop
+
 Slot: one reserved request. SlotTable: the slots by request id, the tombstones of cancelled
 ids, and the engine-thread helpers that feed and end a slot's stream; one per service, shared
 by the service (decode.py), its KV receiver (kv_receiver.py) and its handoff (handoff.py).
-RpcFailure: the status a stream or a waiting RPC ends with.
+`check_integrity()` (both) asserts that each slot's state agrees with its data and with the
+engine's sequences (the Decode service's Info reports it). RpcFailure: the status a stream or a
+waiting RPC ends with.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import enum
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -28,19 +40,75 @@ if TYPE_CHECKING:
 TOMBSTONES = 10000  # cancelled request ids remembered (a late Reserve for one is refused)
 
 
+class SlotState(enum.Enum):
+    """Where a reserved request is on this service (the module docstring says what each means)."""
+    RESERVED = "reserved"
+    HELD = "held"
+    DECODING = "decoding"
+    HANDING_OFF = "handing_off"
+    CLOSED = "closed"
+
+
+LEGAL_TRANSITIONS: dict[SlotState, set[SlotState]] = {
+    SlotState.RESERVED: {SlotState.HELD, SlotState.DECODING, SlotState.CLOSED},
+    SlotState.HELD: {SlotState.DECODING, SlotState.CLOSED},
+    SlotState.DECODING: {SlotState.HANDING_OFF, SlotState.CLOSED},
+    SlotState.HANDING_OFF: {SlotState.DECODING, SlotState.CLOSED},
+    SlotState.CLOSED: set(),
+}
+WAITING = frozenset({SlotState.RESERVED, SlotState.HELD})  # its KV or the final handoff still to come
+
+
+class IllegalTransition(Exception):
+    """A slot was asked to move where LEGAL_TRANSITIONS does not lead (a bug); one sentence."""
+
+
 @dataclasses.dataclass
 class Slot:
     request_id: str
     out: asyncio.Queue  # TokenBatch | RpcFailure, read by the Decode stream
-    emit_from: int | None = None  # output positions >= this go to the user (engine thread)
+    state: SlotState = SlotState.RESERVED  # the engine thread moves it (move)
+    emit_from: int | None = None  # output positions >= this go to the user (engine thread); set from DECODING on
     waiters: list = dataclasses.field(default_factory=list)  # (kv tokens needed, asyncio.Future)
-    closed: bool = False
-    decoding: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # KV landed, tokens flow
+    # set on the event loop once the slot is DECODING or CLOSED: a Handoff waiting for RLD to decode wakes
+    started: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     touched: float = dataclasses.field(default_factory=time.monotonic)  # last RPC about it (lease)
     streams: int = 0  # open Decode streams (a stream keeps the lease)
     born: float = dataclasses.field(default_factory=time.monotonic)
     reported: bool = False  # logged once when it outlives LINGER_LEASES leases (diagnostics)
     sink: object = None  # a DecodeStream subscribed to it (decode_stream.Sink): its items go there, not to `out`
+
+    @property
+    def closed(self) -> bool:
+        return self.state is SlotState.CLOSED
+
+    def move(self, new: SlotState) -> None:
+        """Engine thread: the slot's state becomes `new`; IllegalTransition unless LEGAL_TRANSITIONS
+        leads there from the current state."""
+        legal = LEGAL_TRANSITIONS[self.state]
+        if new not in legal:
+            raise IllegalTransition(f"slot {self.request_id} cannot move from {self.state.name} to {new.name} "
+                                    f"(legal: {', '.join(sorted(s.name for s in legal)) or 'none'})")
+        self.state = new
+
+    def check_integrity(self, seq) -> None:
+        """Engine thread: the state agrees with the slot's data and with `seq`, the engine's
+        sequence of this request id (None when the engine holds none). AssertionError says what
+        disagrees."""
+        rid, name = self.request_id, self.state.name
+        if self.state is SlotState.CLOSED:
+            assert seq is None, f"slot {rid} is CLOSED but the engine still holds its sequence (and its pages)"
+            assert not self.waiters, f"slot {rid} is CLOSED with {len(self.waiters)} HandoffTokens still waiting"
+            return
+        assert seq is not None, f"slot {rid} is {name} but the engine holds no sequence for it"
+        if self.state in WAITING:
+            assert self.emit_from is None, f"slot {rid} is {name} but emits from {self.emit_from}"
+        else:
+            assert self.emit_from is not None, f"slot {rid} is {name} but has no emit_from"
+        if self.state in (SlotState.RESERVED, SlotState.HANDING_OFF):
+            assert seq.paused, f"slot {rid} is {name} but its sequence is not paused"
+        if self.state is SlotState.RESERVED:
+            assert not self.waiters, f"slot {rid} is RESERVED with HandoffTokens waiting (no chunk applied yet)"
 
 
 @dataclasses.dataclass
@@ -94,19 +162,43 @@ class SlotTable:
         stream's queue, or the DecodeStream subscribed to it)."""
         self.worker.post(_deliver, slot, item)
 
+    def decode(self, slot: Slot, emit_from: int) -> None:
+        """Engine thread: the slot's output flows from `emit_from` on (DECODING); what was
+        generated from there is emitted now (and the stream closed if finished)."""
+        if slot.state is not SlotState.DECODING:
+            slot.move(SlotState.DECODING)
+            self.worker.post(slot.started.set)
+        slot.emit_from = emit_from
+        self.emit_held(slot)
+
     def close(self, slot: Slot, item, cache: bool = True) -> None:
-        """Engine thread: last message of the stream, drop the sequence."""
+        """Engine thread: last message of the stream, drop the sequence (CLOSED)."""
         if slot.closed:
             return
-        slot.closed = True
+        slot.move(SlotState.CLOSED)
         self.put(slot, item)
         if slot.request_id in self.engine.seqs:
             self.engine.release(slot.request_id, cache=cache)
-        self.worker.post(slot.decoding.set)  # a pending Handoff wakes up and finds it gone
+        self.worker.post(slot.started.set)  # a pending Handoff wakes up and finds it gone
         for _, fut in slot.waiters:
             self.worker.post(resolve, fut, -1)
         slot.waiters.clear()
-        self.worker.post(self._slots.pop, slot.request_id, None)
+        self.worker.post(self._discard, slot)
+
+    def _discard(self, slot: Slot) -> None:
+        """Event loop: a closed slot leaves the table (unless its id names another slot by now)."""
+        if self._slots.get(slot.request_id) is slot:
+            del self._slots[slot.request_id]
+
+    def check_integrity(self) -> None:
+        """Engine thread: every slot's state agrees with its data and its engine sequence
+        (Slot.check_integrity), and every sequence of the engine belongs to a slot."""
+        slots = list(self._slots.items())  # (closed slots leave on the event loop meanwhile)
+        for rid, slot in slots:
+            assert slot.request_id == rid, f"slot {slot.request_id} is filed under {rid}"
+            slot.check_integrity(self.engine.seqs.get(rid))
+        orphans = sorted(set(self.engine.seqs) - {rid for rid, _ in slots})
+        assert not orphans, f"sequences with no slot: {orphans[:5]}"
 
     def emit_held(self, slot: Slot) -> None:
         """Engine thread: emit everything generated from emit_from on; close if finished."""

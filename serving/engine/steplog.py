@@ -23,6 +23,8 @@ import json
 import os
 import time
 
+from pddjax import env
+
 
 def stat_cpu_s(path: str) -> tuple[str, float] | None:
     """(kernel name, user + system CPU seconds) from a /proc/.../stat file; None if it is gone."""
@@ -44,7 +46,7 @@ class StepLog:
 
     @classmethod
     def from_env(cls, name: str) -> StepLog | None:
-        folder = os.environ.get("PDDJAX_STEP_LOG")
+        folder = env.STEP_LOG.get()
         if not folder:
             return None
         os.makedirs(folder, exist_ok=True)

@@ -23,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+from pddjax.engines.engine_api import TokenEvent
 from serving.engine.faults import StepFaults
 from serving.engine.steplog import StepLog
 
@@ -31,8 +32,8 @@ _URGENT, _ORDINARY, _STOP = 0, 1, 2  # queue priorities
 
 
 class EngineWorker:
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_step: Callable[[list], None] | None = None,
-                 name: str = "engine"):
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop,
+                 on_step: Callable[[list[TokenEvent]], None] | None = None, name: str = "engine"):
         self.engine, self.loop, self.on_step = engine, loop, on_step
         self._q: queue.PriorityQueue = queue.PriorityQueue()  # (priority, arrival, item)
         self._arrival = itertools.count()

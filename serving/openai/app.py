@@ -7,13 +7,15 @@
   GET  /health       200 when the router serves (its grpc.health.v1; co-hosted: its Gate), else 503
   GET  /metrics      Prometheus (gateway.metrics)
 
-A request: body checked (pydantic, then `translate`: 400), the Generate call opened with the
-client's Authorization (over gRPC: upstream.py; in the router's process: local.py), and its
-first message awaited: a router refusal comes before it, so it becomes the HTTP status
+The router is an upstream_api.Upstream: over gRPC (upstream.GrpcUpstream) or, in the router's
+process, serving/stack/cohost.RouterUpstream. A request: body checked (pydantic, then
+`translate`: 400), the Generate call opened with the client's Authorization, and its first
+message awaited: a router refusal comes before it, so it becomes the HTTP status
 (errors.py); then the answer streams or is collected. The call is cancelled (every tier
 releases the request) whenever the client goes away: mid-stream (the StreamingResponse's
 disconnect watch cancels the body task), while the gateway waits for the first message or
 collects a non-streamed answer (`_unless_gone`), or if the response never started.
+`Gateway.wait_idle` waits for the requests in flight (a drain: the router refuses new ones).
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse  # starl
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import ServerSentEvent
 
+from serving.gate import wait_set
 from serving.openai import errors, translate
 from serving.openai.answer import Answer, Served
 from serving.openai.errors import OpenAIError, from_rpc
 from serving.openai.metrics import CLIENT_GONE, GatewayMetrics
 from serving.openai.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from serving.openai.upstream import Upstream
+from serving.openai.upstream_api import Upstream
 
 PING_S = 15.0  # as sse-starlette's default
 PING = ServerSentEvent(comment="ping").encode()
@@ -123,11 +126,29 @@ class Gateway:
         self.default_max_tokens, self.request_timeout = default_max_tokens, request_timeout
         self.metrics = metrics or GatewayMetrics()
         self.started = int(time.time())
+        self.inflight = 0  # requests from their body's arrival until their response ended
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def _enter(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+        self.metrics.inflight.inc()
+
+    def _leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+        self.metrics.inflight.dec()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Whether every request in flight ended within `timeout` seconds."""
+        return await wait_set(self._idle, timeout)
 
     async def complete(self, body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool):
         endpoint, t0 = ("chat" if chat else "completions"), time.perf_counter()
         call, streaming = None, False
-        self.metrics.inflight.inc()
+        self._enter()
         try:
             if self.check_model and body.model != self.served.name:
                 raise OpenAIError(404, f"model {body.model!r} is not served here (this gateway serves "
@@ -148,7 +169,7 @@ class Gateway:
 
                 def closed(call=call):
                     call.cancel()  # a no-op once the router finished
-                    self.metrics.inflight.dec()
+                    self._leave()
                     self.metrics.answered(endpoint, outcome["code"])
 
                 stream = _Stream(self._events(messages, answer, include_usage, endpoint, t0, outcome), closed)
@@ -173,7 +194,7 @@ class Gateway:
             if call is not None:
                 call.cancel()
             if not streaming:
-                self.metrics.inflight.dec()
+                self._leave()
 
     async def _events(self, messages, answer: Answer, include_usage: bool, endpoint: str, t0: float, outcome: dict):
         """SSE events (sse-starlette's ServerSentEvent framing): the role chunk (chat), one chunk

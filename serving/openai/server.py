@@ -8,16 +8,17 @@ for every streamed token twice: the router serializes and writes a gRPC message,
 reads and parses it (py-spy, separate gateway under 64 streams: gRPC receive 22% of its busy
 time, the HTTP write 22%, pydantic chunks 11%, anyio 10%, starlette 8%, SSE framing 7%; ~0.4-0.5
 s CPU per 64 x 32-token round on top of the router's). Co-hosted, the gateway calls the router's
-generate path in memory (local.LocalUpstream: the same bearer token check, Gate (loading /
-draining 503), deadlines and statuses as the gRPC port), so the router writes no gRPC message
-per token and the gateway reads none: the router process's CPU in a gateway round is about its
-CPU in a direct gRPC round (0.30-0.48 vs 0.25-0.56 s per round; a separate gateway added
-0.32-0.57 s of its own), and `python -m tools.hostlab.openai_overhead --rounds 4`'s TTFT / ITL
-p50 ratios went from 1.12 / 1.64 to 0.87 / 0.93 on a quiet machine (medians of 10 loaded pairs:
-1.21 / 1.16 to 1.02 / 1.00; WORKSPACE_NOTES.md, "The OpenAI gateway"). The cost: the router's
-loop also parses HTTP and writes one SSE event per chunk (~0.6 ms per request + ~35 us per token
-against a stand-in router), and the gateway restarts with the router; a gateway on another host
-(or several, for spare cores) is still `serve openai --router`. The router process loads no JAX.
+entry point in memory (serving/stack/cohost.RouterUpstream: the same bearer token check, Gate
+(loading / draining 503), deadlines and statuses as the gRPC port), so the router writes no gRPC
+message per token and the gateway reads none: the router process's CPU in a gateway round is
+about its CPU in a direct gRPC round (0.30-0.48 vs 0.25-0.56 s per round; a separate gateway
+added 0.32-0.57 s of its own), and `python -m tools.hostlab.openai_overhead --rounds 4`'s TTFT /
+ITL p50 ratios went from 1.12 / 1.64 to 0.87 / 0.93 on a quiet machine (medians of 10 loaded
+pairs: 1.21 / 1.16 to 1.02 / 1.00; docs/figures.md, "OpenAI gateway"). The cost: the
+router's loop also parses HTTP and writes one SSE event per chunk (~0.6 ms per request + ~35 us
+per token against a stand-in router), and the gateway restarts with the router; a gateway on
+another host (or several, for spare cores) is still `serve openai --router`. The router process
+loads no JAX.
 
 One asyncio loop carries uvicorn and the upstream (the router's own loop, co-hosted; a gRPC
 channel otherwise). The model's name and weights fingerprint (`system_fingerprint`) come from
@@ -48,8 +49,8 @@ import uvicorn
 
 from serving.openai.answer import Served
 from serving.openai.app import Gateway, create_app
-from serving.openai.local import LocalUpstream
-from serving.openai.upstream import Upstream
+from serving.openai.upstream import GrpcUpstream
+from serving.openai.upstream_api import Upstream
 
 SHUTDOWN_GRACE_S = 5
 KEEPALIVE_S = 75  # as nginx's keepalive_timeout
@@ -123,7 +124,7 @@ async def serve(router: str, host: str, port: int, model: str | None, ready_file
                 default_max_tokens: int = 256, request_timeout: float | None = 600.0) -> None:
     """A gateway process in front of the router at `router` (over gRPC)."""
     served, check = served_model(model)
-    gw = Gateway(Upstream(router), served, check_model=check, default_max_tokens=default_max_tokens,
+    gw = Gateway(GrpcUpstream(router), served, check_model=check, default_max_tokens=default_max_tokens,
                  request_timeout=request_timeout)
     server, task, address = await _listen(gw, host, port)
     if ready_file:
@@ -138,23 +139,22 @@ class Cohosted:
 
     server: uvicorn.Server
     task: asyncio.Task
-    upstream: LocalUpstream
+    gateway: Gateway
     address: str
 
     async def stop(self, drain_s: float) -> None:
         """After the router's Gate drains: the gateway's requests finish (up to drain_s), then uvicorn stops."""
-        await self.upstream.wait_idle(drain_s)
+        await self.gateway.wait_idle(drain_s)
         self.server.should_exit = True
         await self.task
 
 
-async def start_cohosted(gate, router_address: str, host: str, port: int, model: str | None, token: str | None,
-                         default_max_tokens: int = 256, request_timeout: float | None = 600.0) -> Cohosted:
-    """The gateway's HTTP port opened on this (the router's) loop, its upstream the router's
-    Generate in memory (local.LocalUpstream: `gate` answers 503 until the router serves)."""
+async def start_cohosted(upstream: Upstream, host: str, port: int, model: str | None, default_max_tokens: int = 256,
+                         request_timeout: float | None = 600.0) -> Cohosted:
+    """The gateway's HTTP port opened on this (the host process's) loop in front of `upstream`
+    (the router in this process: serving/stack/cohost.py); the host keeps its signal handlers."""
     served, check = served_model(model)
-    upstream = LocalUpstream(gate, router_address, token)
     gw = Gateway(upstream, served, check_model=check, default_max_tokens=default_max_tokens,
                  request_timeout=request_timeout)
     server, task, address = await _listen(gw, host, port, _Server, log_config=None)
-    return Cohosted(server, task, upstream, address)
+    return Cohosted(server, task, gw, address)

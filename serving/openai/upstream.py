@@ -1,6 +1,7 @@
-"""The gateway's side of a router on another host (`pddjax serve openai --router`; in the
-router's own process it is local.LocalUpstream): one gRPC channel (TLS from the environment,
-like every client: serving/security.py), the streaming Generate, grpc.health.v1 and Stats.
+"""`GrpcUpstream`, the gateway's Upstream (upstream_api.py) for a router on another host
+(`pddjax serve openai --router`; in the router's own process serving/stack/cohost.RouterUpstream
+stands there): one gRPC channel (TLS from the environment, like every client:
+serving/security.py), the streaming Generate, grpc.health.v1 and Stats.
 
 The client's `Authorization: Bearer ...` header is passed on as the call's metadata and never
 replaced: the router's token is the API key, and a client without one gets the router's
@@ -24,7 +25,9 @@ def _metadata(authorization: str | None) -> list[tuple[str, str]]:
     return [("authorization", authorization)] if authorization else []
 
 
-class Upstream:
+class GrpcUpstream:
+    """The router at `address`, over gRPC (an upstream_api.Upstream)."""
+
     def __init__(self, address: str):
         if security.tls_dir() is None and not security.is_loopback(security.host_of(address)):
             raise security.SecurityConfigError(

@@ -19,7 +19,7 @@ import grpc
 
 from serving.pb import cluster_pb2
 from serving.router import pools
-from serving.router.request import CODES, Abort, from_rpc
+from serving.router.request import Abort, from_rpc, status
 
 if TYPE_CHECKING:
     from serving.router.pools import Instance
@@ -46,7 +46,7 @@ class Subscription:
 
     def deliver(self, item: cluster_pb2.RequestTokens) -> None:
         if item.code:
-            code = CODES.get(item.code, grpc.StatusCode.UNKNOWN)
+            code = status(item.code)
             self.fail(Abort(code, item.error or f"{self.who} failed with {code.name}", self.who))
             return
         batch = item.batch

@@ -31,6 +31,7 @@ import grpc
 from serving.pb import cluster_pb2
 from serving.router import pools
 from serving.router.request import Abort, Request
+from serving.router.request_state import State
 
 if TYPE_CHECKING:
     import collections
@@ -70,10 +71,11 @@ def main_transfer(counters: collections.Counter, r: Request, code: grpc.StatusCo
 
 async def take_over(counters: collections.Counter, r: Request, seen: list[int]):
     """RLD is gone (pdd): -> a TokenBatch that hands the stream to MD, or a sentence on why MD
-    cannot take over."""
-    if r.main is None or r.relay_lost:
+    cannot take over. Only from RELAY_STREAMING: it moves the request to RELAY_LOST (no RLD
+    handoff from now on, and no second take-over)."""
+    if r.main is None or r.state is not State.RELAY_STREAMING:
         return "no MD to take over"
-    r.relay_lost = True  # no RLD handoff from now on
+    r.advance(State.RELAY_LOST)
     counters["relay_lost"] += 1
     await r.main_kv.wait()
     if not r.main_kv_ok or r.first_token is None:
@@ -97,10 +99,10 @@ async def relay_kv_failed(counters: collections.Counter, r: Request, err: Abort)
     """P reported that RLD's KV did not arrive (pdd): MD takes over from P's first token, or
     the push's error stands. RLD's Decode stream is no longer forwarded (the router releases
     RLD when the request ends)."""
-    if r.relay_lost:  # RLD's stream broke first: its on_error is taking over already
+    if r.state is not State.RELAY_STREAMING:  # RLD's stream broke first (its on_error takes over), or it ended
         return
     if r.relay_pump is not None:
-        r.relay_pump.cancel()  # not inside take_over (relay_lost would be set): safe to cancel
+        r.relay_pump.cancel()  # no take_over runs (the request would be RELAY_LOST): safe to cancel
     counters[f"relay_kv_failed.{err.code.name}"] += 1
     print(f"router: {r.rid}: KV to RLD failed ({err.code.name}: {err.message}); MD takes over", file=sys.stderr,
           flush=True)

@@ -2,20 +2,23 @@
 
 `Request` is the only per-request state: every other router module receives it explicitly
 and none defines fields of its own on it. Its fields, in the order they are filled:
+  - where its life stands (`history`, its last entry the `state`: request_state.State, moved
+    only by `advance`, which refuses what LEGAL_TRANSITIONS does not allow);
   - what was asked (Generate's validation): id, session, prompt, the SequenceSpec sent to
-    every tier, the handoff mode, the client's deadline, and where Generate stands (`stage`);
+    every tier, the handoff mode, the client's deadline;
   - the plan (`choose.Chooser.plan`): the prefill / relay instances, the MD that holds the
     session's context (`main_choice`) and the prefix hits, the pipeline with its reason and
     explanation;
   - the reservation: the MD that accepted it (`main`), every MD asked, and the instances whose
-    `inflight` counts this request (`held`) until it settles;
+    `inflight` counts this request (`held`) until it settles (FINISHED or ENDED);
   - the transfers (`transfer`, `recovery`): what P reported (cached tokens, bytes, times, its
     first token), MD's KV landing (`main_kv`), the link estimate booked for it, the P instances
-    that failed or replaced them, and whether RLD's stream was lost;
+    that failed or replaced them, and the instances that freed the request themselves (`freed`);
   - the output (`stream`): the queues the tier streams feed, the tokens sent and their sources,
     the handoff figures and the timings.
-`check_integrity()` asserts what must hold between them (tests call it; the service calls it
-when a request settles).
+`check_integrity()` asserts that the state agrees with the data (a path LEGAL_TRANSITIONS
+allows, RELAY_STREAMING with a relay reservation, MAIN_STREAMING with MD's, a handoff position
+exactly when the stream switched, ...; tests call it, the service when a request finishes).
 
 `Abort` is how any stage fails a request: a gRPC code, one sentence, and the stage (metrics).
 """
@@ -31,6 +34,7 @@ import grpc
 
 from serving.pb import common_pb2
 from serving.router.admission import Deadline
+from serving.router.request_state import LEGAL_TRANSITIONS, SETTLED, STREAMING, IllegalTransition, State
 
 if TYPE_CHECKING:
     from pddjax.policy import LinkEstimator
@@ -40,7 +44,13 @@ if TYPE_CHECKING:
 PIPELINE_NAMES = {common_pb2.PIPELINE_AUTO: "auto", common_pb2.PIPELINE_PDD: "pdd",
                   common_pb2.PIPELINE_PD_CROSS: "pd-cross", common_pb2.PIPELINE_PD_LOCAL: "pd-local"}
 PIPELINES = {v: k for k, v in PIPELINE_NAMES.items()}  # policy's names -> common_pb2.Pipeline
-CODES = {c.value[0]: c for c in grpc.StatusCode}  # the int in a TransferDone -> grpc.StatusCode
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status(code: int) -> grpc.StatusCode:
+    """The status code a TransferDone or a RequestTokens carries as an int -> grpc.StatusCode
+    (UNKNOWN for an int gRPC does not define)."""
+    return _CODES.get(code, grpc.StatusCode.UNKNOWN)
 
 
 class Abort(Exception):
@@ -70,11 +80,12 @@ class Tagged:
 
 @dataclasses.dataclass(eq=False)
 class Request:
+    # ---- where its life stands (request_state) ----
+    history: list[State] = dataclasses.field(default_factory=lambda: [State.VALIDATE], init=False)  # in order
+
     # ---- what was asked (Generate) ----
     deadline: Deadline = dataclasses.field(default_factory=lambda: Deadline(None))  # every downstream RPC's timeout
     t0: float = dataclasses.field(default_factory=time.perf_counter)  # received (TTFT, total)
-    stage: str = "validate"  # validate | admission | plan | reserve | stream (failure metrics)
-    admitted: bool = False  # holds an admission slot (released by Generate)
     rid: str = ""  # this request's own id on P / RLD / MD: unique, never the client's
     label: str = ""  # the client's request id (a label: duplicates never interfere), else rid
     session: str = ""  # "" = no session
@@ -99,7 +110,6 @@ class Request:
     main: Instance | None = None  # the MD that accepted Reserve (main_choice or a fallback)
     main_asked: list[Instance] = dataclasses.field(default_factory=list)  # every MD sent a Reserve (all released)
     held: list[Instance] = dataclasses.field(default_factory=list)  # their `inflight` counts this request
-    settled: bool = False  # no longer loads its instances (a P replacing a failed one is not held)
 
     # ---- the transfers (transfer, recovery) ----
     cached_prefill: int = 0  # as P reported (prefilled.num_cached)
@@ -115,16 +125,15 @@ class Request:
     main_kv_ms: float = 0.0  # P's push to MD, as P timed it
     main_kv: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # P reported MD's transfer
     main_kv_ok: bool = False  # ... and it was delivered
-    link: LinkEstimator | None = None  # MD's link estimator, `planned` bytes booked on it
+    link: LinkEstimator | None = None  # MD's link estimator while `planned` bytes are booked on it (None: settled)
     planned: int = 0
-    link_done: bool = False  # the booking was settled (measured or failed)
     prefill_tried: list[Instance] = dataclasses.field(default_factory=list)  # P instances that failed
     prefill_extra: list[Instance] = dataclasses.field(default_factory=list)  # the P instances that replaced them
-    relay_lost: bool = False  # RLD's stream broke or its KV failed: MD took over (or tried); no RLD handoff
     relay_pump: object = None  # decode_streams.Subscription: RLD's tokens into relay_out (pdd, pd-local)
-    relay_released: bool = False  # RLD answered the Release sent when the stream moved to MD
     prefill_task: asyncio.Task | None = None  # P's events (transfer.Transfers._prefill)
-    prefill_done: Instance | None = None  # the P whose Prefill call ended OK: its handler freed all (no Release)
+    # instances that freed the request themselves, not sent the final Release: the P whose Prefill
+    # call ended OK (its handler freed all), RLD once it answered the Release sent at the switch
+    freed: list[Instance] = dataclasses.field(default_factory=list)
     tasks: list = dataclasses.field(default_factory=list)  # asyncio.Task | Subscription: cancelled when it ends
 
     # ---- the output (stream) ----
@@ -133,9 +142,8 @@ class Request:
     main_out: Tagged = dataclasses.field(init=False)  # MD's side of `out`
     tokens: list[int] = dataclasses.field(default_factory=list)  # sent to the user
     sources: list[int] = dataclasses.field(default_factory=list)  # common_pb2.Role of each
-    finished: bool = False  # the user's stream has its last message
     ttft: float | None = None  # seconds, t0 -> first token sent
-    handoff_at: int | None = None  # output position where the stream switched to MD
+    handoff_at: int | None = None  # output position where the stream switched from RLD to MD
     handoff_tokens: int = 0  # as RLD's Handoff answered
     handoff_chunks: int = 0
     relay_t0: float = 0.0  # first and last relay batch (perf_counter): RLD's measured speed
@@ -147,6 +155,35 @@ class Request:
         self.main_out = Tagged(self.out, common_pb2.ROLE_MAIN)
 
     @property
+    def state(self) -> State:
+        return self.history[-1]
+
+    @property
+    def stage(self) -> str:
+        """Where Generate stands, as failure metrics name it: the last state before it settled."""
+        return next(s.label for s in reversed(self.history) if s not in SETTLED)
+
+    @property
+    def admitted(self) -> bool:
+        """It got an admission slot (Generate leaves it once, however the request ends)."""
+        return State.PLAN in self.history
+
+    @property
+    def settled(self) -> bool:
+        """It no longer loads its instances (a P replacing a failed one is not held)."""
+        return self.state in SETTLED
+
+    def advance(self, to: State) -> None:
+        """Moves the request to `to`: IllegalTransition unless LEGAL_TRANSITIONS allows it from
+        the current state. Reaching FINISHED or ENDED unloads every instance it held."""
+        if to not in LEGAL_TRANSITIONS[self.state]:
+            raise IllegalTransition(self.rid, self.state, to)
+        self.history.append(to)
+        if to in SETTLED:
+            while self.held:
+                self.held.pop().inflight -= 1
+
+    @property
     def uses_relay(self) -> bool:
         return self.pipeline in (common_pb2.PIPELINE_PDD, common_pb2.PIPELINE_PD_LOCAL)
 
@@ -155,16 +192,10 @@ class Request:
         return self.pipeline in (common_pb2.PIPELINE_PDD, common_pb2.PIPELINE_PD_CROSS)
 
     def hold(self, inst: Instance) -> None:
-        """`inst` now carries this request's load (its `inflight`), until `unhold`."""
+        """`inst` now carries this request's load (its `inflight`), until it settles."""
         if not self.settled and inst not in self.held:
             inst.inflight += 1
             self.held.append(inst)
-
-    def unhold(self) -> None:
-        """Idempotent: the request no longer loads its instances (settled, or failed)."""
-        self.settled = True
-        while self.held:
-            self.held.pop().inflight -= 1
 
     def touched(self) -> list[Instance]:
         """Every instance that may hold something of this request (each released once)."""
@@ -173,19 +204,35 @@ class Request:
         return insts
 
     def check_integrity(self) -> None:
+        path, state = self.history, self.state
+        assert path[0] is State.VALIDATE, path
+        for src, dst in zip(path, path[1:]):
+            assert dst in LEGAL_TRANSITIONS[src], f"illegal path {' -> '.join(s.name for s in path)}"
+        reserved = State.RESERVE in path
+        streamed = any(s in STREAMING for s in path)
         assert self.pipeline in PIPELINE_NAMES, self.pipeline
-        assert self.stage in ("validate", "admission", "plan") or self.pipeline != common_pb2.PIPELINE_AUTO
+        assert not reserved or self.pipeline != common_pb2.PIPELINE_AUTO, "past PLAN with no pipeline chosen"
+        assert not self.sync_main or self.pipeline == common_pb2.PIPELINE_PD_LOCAL, "a context sync outside pd-local"
         assert len(set(map(id, self.held))) == len(self.held), "an instance is held twice"
+        assert not self.held or reserved, "an instance held before RESERVE"
         assert not self.settled or not self.held, "a settled request still loads an instance"
-        assert not self.finished or self.settled, "finished but not settled"
         assert self.main is None or self.main in self.main_asked, "the reserved MD was never asked"
-        if self.stage == "stream":
-            assert self.uses_main == (self.main is not None), (self.pipeline, self.main)
+        if streamed:
+            assert self.uses_main == (self.main is not None), f"MD reserved {self.main} for {self.pipeline}"
             assert not self.uses_relay or self.relay is not None, "a relay pipeline without RLD"
-        assert not self.relay_lost or self.main is not None, "RLD lost with no MD to take over"
+        if state is State.RELAY_STREAMING:
+            assert self.uses_relay and self.relay is not None, "streaming from RLD without a relay reservation"
+        if state is State.MAIN_STREAMING:
+            assert self.uses_main and self.main is not None, "streaming from MD without an MD reservation"
+        if State.RELAY_LOST in path:
+            assert self.pipeline == common_pb2.PIPELINE_PDD and self.main is not None, "RLD lost with no MD"
+        switched = State.RELAY_STREAMING in path and State.MAIN_STREAMING in path
+        assert (self.handoff_at is not None) == switched, (self.handoff_at, [s.name for s in path])
         assert self.handoff_at is None or self.pipeline == common_pb2.PIPELINE_PDD, "a handoff outside pdd"
+        assert not self.tokens or streamed, "tokens before the stream opened"
         assert self.link is None or self.main is not None, "a link booking without MD"
-        assert not self.link_done or self.link is not None
         assert not self.main_kv_ok or self.main_kv.is_set(), "MD's KV delivered but not reported"
+        touched = self.touched() if self.prefill is not None else []
+        assert all(i in touched for i in self.freed), "an instance freed that the request never touched"
         assert len(self.tokens) == len(self.sources), (len(self.tokens), len(self.sources))
         assert self.relay_after >= 0 and self.relay_t0 <= self.relay_t1, (self.relay_t0, self.relay_t1)

@@ -1,14 +1,14 @@
 """The router's gRPC service (router.proto): the user-facing streaming `Generate`, and `Stats`.
 
 `RouterService` composes its collaborators and holds no per-request state: each Generate makes
-one `request.Request` and passes it to every stage. A request's life (pipeline pdd; the others
-drop a tier):
-  1. validate (`validate.read`): tokenize (a large prompt on a worker thread), check against the
+one `request.Request` and passes it to every stage, moving it through its states
+(request_state.State, in capitals below). A request's life (pipeline pdd; the others drop a tier):
+  1. VALIDATE (`validate.read`): tokenize (a large prompt on a worker thread), check against the
      model (INVALID_ARGUMENT with one sentence, nothing reserved); the client's deadline becomes
      every downstream RPC's timeout;
-  2. admission (`admission.Admission`): a slot, or a FIFO wait for one; past max_inflight +
+  2. ADMISSION (`admission.Admission`): a slot, or a FIFO wait for one; past max_inflight +
      max_queue -> RESOURCE_EXHAUSTED at once;
-  3. plan (`choose.Chooser.plan`): the least-loaded healthy P and RLD (ties: the session's last
+  3. PLAN (`choose.Chooser.plan`): the least-loaded healthy P and RLD (ties: the session's last
      one), the MD that holds the session's context (affinity; else the least loaded), their
      prefix hits (chained page hashes, no tokens move); auto: `policy.decide` from those hits,
      the KV bytes per token, the link's measured throughput and queue and RLD's measured speed
@@ -17,19 +17,21 @@ drop a tier):
      the TTFT budget and the session's history: pd-cross, pdd, or pd-local for singular
      traffic (a filtered session turn is synced to MD afterwards); the explanation names the
      link estimate's source and age;
-  4. reserve (`Chooser.reserve`): MD (pins its DRC prefix -> cached_on_main; a full or gone
+  4. RESERVE (`Chooser.reserve`): MD (pins its DRC prefix -> cached_on_main; a full or gone
      MD: the next; all full or gone: `auto` goes pd-local, reason main-full / main-unavailable),
      then RLD; logged, counted, and the first message (pipeline, explain) sent;
-  5. stream (`transfer.Transfers.open`): RLD's and MD's Decode streams open, P prefills and
-     pushes KV to both at once; RLD streams tokens (relay) as soon as its KV lands; when P
-     reports MD's KV delivered, RLD's Handoff (one-shot, or chunked above the threshold) ends
-     RLD's stream at handed_off_at = N and MD's starts at N (main); `stream.Output` forwards
-     both, in order, into GenerateResponses. A tier that fails mid-request: `recovery`;
-  6. settle, before the last message (so the client's next turn sees its effects): the request
+  5. RELAY_STREAMING (pd-cross: MAIN_STREAMING) (`transfer.Transfers.open`): RLD's and MD's
+     Decode streams open, P prefills and pushes KV to both at once; RLD streams tokens (relay)
+     as soon as its KV lands; when P reports MD's KV delivered, RLD's Handoff (one-shot, or
+     chunked above the threshold) ends RLD's stream at handed_off_at = N and MD's starts at N
+     (MAIN_STREAMING); `stream.Output` forwards both, in order, into GenerateResponses. A tier
+     that fails mid-request: `recovery` (RLD's stream broken: RELAY_LOST, MD takes over);
+  6. FINISHED, before the last message (so the client's next turn sees its effects): the request
      stops loading its instances, `Chooser.learn` (RLD speed, output length, affinity), a
      filtered turn's context sync starts in the background;
-  7. end (also on failure, client cancel or deadline): every task cancelled, every tier
-     released (`Transfers.release`, after P's push to MD if the user's stream ended first).
+  7. ENDED (from RESERVE on, also on failure, client cancel or deadline): every task cancelled,
+     every tier released (`Transfers.release`, after P's push to MD if the user's stream ended
+     first). A request refused before RESERVE stays in its state: it holds nothing.
 Metrics (TTFT, ITL, pipelines, handoffs, failures, WAN bytes): `metrics.RouterMetrics`;
 `Stats` (to callers on the router's host only): counters, admission, per-MD link estimates, RLD speeds.
 """
@@ -52,6 +54,7 @@ from serving.router.choose import Chooser
 from serving.router.estimates import Estimates
 from serving.router.metrics import RouterMetrics
 from serving.router.request import PIPELINE_NAMES, Abort, Request
+from serving.router.request_state import State
 from serving.router.stream import Output, expire
 from serving.router.transfer import Transfers
 
@@ -106,6 +109,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.StatsResponse(json=json.dumps(self.stats()))
 
     def stats(self) -> dict:
+        """Stats' answer as a dict (the co-hosted gateway reads it in process)."""
         return {"model": {"name": self.cfg.name, "max_context": self.cfg.max_context},
                 "counters": dict(self.counters), "admission": self.admission.stats(), **self.estimates.stats(),
                 "filtered_share": self.chooser.window.share(),
@@ -124,12 +128,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
             except RouterRefusal as e:
                 await context.abort(e.code(), e.details())
 
-    def generate_local(self, request: router_pb2.GenerateRequest, timeout_s: float | None):
-        """Generate for a caller in this process (the co-hosted OpenAI gateway,
-        serving/openai/local.py), without gRPC: the same stages, metrics and release; a refusal
-        raises the grpc.aio.AioRpcError a gRPC client would get (RouterRefusal); closing or
-        cancelling the generator is the client's cancel (its deadline: the caller's timer,
-        `timeout_s` here)."""
+    def generate_local(self, request: router_pb2.GenerateRequest, timeout_s: float | None = None):
+        """The router's in-process entry point (the co-hosted OpenAI gateway's, through
+        serving/stack/cohost.py): Generate's stages, metrics and release without gRPC -> an async
+        generator of the GenerateResponses themselves (nothing serialized).
+        What the gRPC port does around its handler, the caller does, in the same order and words:
+        the bearer token first (security.bearer_refusal: UNAUTHENTICATED), then the Gate
+        (Gate.refusal: UNAVAILABLE while loading or draining), and the deadline: `timeout_s`
+        (None: default_deadline_s) bounds every downstream RPC and the stream as a gRPC client's
+        deadline does, and the caller cancels the generator when it passes (as grpc cancels the
+        handler). A refusal raises RouterRefusal (the grpc.aio.AioRpcError a gRPC client gets);
+        closing or cancelling the generator is the client's cancel: every tier released, counted
+        CANCELLED (DEADLINE_EXCEEDED past the deadline)."""
         return self._answered(request, Request(deadline=Deadline(
             self.s.default_deadline_s if timeout_s is None else timeout_s)))
 
@@ -153,13 +163,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def _generate(self, req: router_pb2.GenerateRequest, r: Request):
         await validate.read(r, req, self.cfg, self.tok, self.s.handoff)
-        r.stage = "admission"
+        r.advance(State.ADMISSION)
         await self.admission.enter(r.deadline)  # Refused (RESOURCE_EXHAUSTED) past max_inflight + max_queue
-        r.admitted, r.stage = True, "plan"
+        r.advance(State.PLAN)  # holds the admission slot (`r.admitted`)
         await self.chooser.plan(r)
         expiry = None
+        r.advance(State.RESERVE)  # from here on `_end` moves it to ENDED however it ends
         try:
-            r.stage = "reserve"
             await self.chooser.reserve(r)
             await self.transfers.choose_wire(r)  # each target's KV wire format, named in explain
             self.m.chosen(PIPELINE_NAMES[r.pipeline], r.reason)
@@ -169,7 +179,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                   flush=True)
             yield router_pb2.GenerateResponse(request_id=r.label, pipeline=r.pipeline, prompt_token_ids=r.prompt,
                                               explain=r.explain)
-            r.stage = "stream"
+            r.advance(State.RELAY_STREAMING if r.uses_relay else State.MAIN_STREAMING)
             if r.deadline.remaining() is not None:  # the stream stops at the deadline even if no tier reports it
                 expiry = asyncio.get_running_loop().call_later(r.deadline.remaining(), expire, r.relay_out, r.main_out)
             await self.transfers.open(r)
@@ -191,8 +201,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _settle(self, r: Request) -> None:
         """The user's stream is about to get its last message: this request's effects land first."""
-        r.finished = True
-        r.unhold()
+        r.advance(State.FINISHED)  # no longer loads its instances
         name = PIPELINE_NAMES[r.pipeline]
         self.counters[f"requests.{name}"] += 1
         self.m.done(name)
@@ -205,13 +214,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         """Cancels the request's tasks and releases every tier in the background. RLD finished
         before MD held the KV (pdd): P's push goes on so MD's DRC still gets the context (the
         drift-loop guard), and the release waits for it."""
-        push = r.prefill_task
-        complete = r.finished and r.main is not None and push is not None and not push.done()
+        push, finished = r.prefill_task, r.state is State.FINISHED
+        complete = finished and r.main is not None and push is not None and not push.done()
         for t in r.tasks:
             if not (complete and t is push):
                 t.cancel()
-        r.unhold()
-        if not r.finished:
+        r.advance(State.ENDED)
+        if not finished:
             self.counters["requests.failed"] += 1
         if complete:
             self.counters["main_completed_in_background"] += 1
@@ -228,6 +237,6 @@ async def _release_relay(r: Request) -> None:
     skips RLD (it retries it otherwise)."""
     try:
         await pools.stub(r.relay).Release(cluster_pb2.ReleaseRequest(request_id=r.rid, cancel=True))
-        r.relay_released = True
+        r.freed.append(r.relay)
     except grpc.aio.AioRpcError:
         pass

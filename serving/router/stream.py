@@ -6,7 +6,8 @@
     `recovery.take_over`);
   - `expire` puts the client's deadline into the queues (the stream fails DEADLINE_EXCEEDED
     even when no tier reports it);
-  - `Output.messages` reads the relay queue, then (after a batch `handed_off`) the main one,
+  - `Output.messages` reads the relay queue while the request is RELAY_STREAMING or
+    RELAY_LOST, then (after a batch `handed_off`, or MD caught up: MAIN_STREAMING) the main one,
     checks every batch's position (no gap, duplicate or reorder), decodes text incrementally
     (`detok.IncrementalText`: an incomplete UTF-8 sequence and a possible stop string's start
     held back; stop strings end the stream), times tokens (TTFT, ITL, RLD's decode speed), and
@@ -25,6 +26,7 @@ import grpc
 from serving.pb import cluster_pb2, common_pb2, router_pb2
 from serving.router.detok import IncrementalText
 from serving.router.request import PIPELINE_NAMES, Abort, Request
+from serving.router.request_state import State
 
 if TYPE_CHECKING:
     from serving.router.metrics import RouterMetrics
@@ -48,18 +50,23 @@ def _terminal(item) -> bool:
 
 
 class Output:
-    """One request's outgoing stream. `tokenizer` None: no text; `stop_strings` end it early;
-    `on_switch()` runs once when the stream moves from RLD to MD (the caller releases RLD)."""
+    """One request's outgoing stream, from a request already streaming (RELAY_STREAMING or
+    MAIN_STREAMING). `tokenizer` None: no text; `stop_strings` end it early; `on_switch()` runs
+    once when the stream moves from RLD to MD (the caller releases RLD)."""
 
     def __init__(self, r: Request, tokenizer, stop_strings, metrics: RouterMetrics, on_switch=None):
         self.r, self.timer = r, metrics.timer(r.t0)
         self.text = IncrementalText(tokenizer, stop_strings)  # O(batch) per batch
         self.on_switch = on_switch
-        self.on_main = not r.uses_relay  # the tier the user's tokens come from now
         self.ahead: list[int] | None = []  # MD's tokens while RLD is the source (None: MD disagreed or failed)
         self.ahead_at = 0  # output position of ahead[0]
         self.main_finish = common_pb2.FINISH_REASON_UNSPECIFIED  # MD finished within `ahead`
         self.ahead_t0 = 0.0  # when MD's first batch came (perf_counter)
+
+    @property
+    def on_main(self) -> bool:
+        """The user's tokens come from MD now (else from RLD, lost or not)."""
+        return self.r.state is State.MAIN_STREAMING
 
     async def messages(self):
         """-> GenerateResponses until (and with) the one that has a finish_reason. While RLD is the
@@ -147,7 +154,8 @@ class Output:
                 or bool(self.main_finish))
 
     def _switch(self) -> None:
-        self.on_main, self.r.handoff_at = True, len(self.r.tokens)
+        self.r.advance(State.MAIN_STREAMING)
+        self.r.handoff_at = len(self.r.tokens)
         self.timer.switch()  # the next batch's gap: pddjax_router_handoff_gap_seconds
         if self.on_switch is not None:
             self.on_switch()

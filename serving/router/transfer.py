@@ -12,9 +12,10 @@ estimates, the counters and the metrics):
     failed (`recovery`: a failed RLD push -> MD takes over, a failed MD push -> counted, RLD
     finishes or pd-cross fails), MD's KV landing -> RLD's `_handoff` (pdd), a P that fails
     mid-request replaced and only the KV that has not arrived pushed again;
-  - `release`: every tier the request touched (but a P whose Prefill call ended OK: it freed
-    the request itself), after (if the user's stream already ended) the push that still fills
-    MD's DRC, with the link booking settled;
+  - `release`: every tier the request touched (but those that freed it themselves,
+    `Request.freed`: a P whose Prefill call ended OK, RLD released at the switch), after (if
+    the user's stream already ended) the push that still fills MD's DRC, with the link booking
+    settled;
   - `sync_main`: a filtered turn's context pushed to MD afterwards, one sync at a time.
 """
 
@@ -27,7 +28,8 @@ import grpc
 
 from serving.pb import cluster_pb2, common_pb2
 from serving.router import decode_streams, pools, recovery
-from serving.router.request import CODES, Abort, Request, from_rpc
+from serving.router.request import Abort, Request, from_rpc, status
+from serving.router.request_state import State
 
 if TYPE_CHECKING:
     import collections
@@ -100,7 +102,7 @@ class Transfers:
                             continue
                         reported.add(ev.transfer_done.role)
                         self._transfer_done(r, ev.transfer_done)
-                    r.prefill_done = prefill  # its handler's end freed the request on P: no Release needed
+                    r.freed.append(prefill)  # its handler's end freed the request on P: no Release needed
                     return
                 except grpc.aio.AioRpcError as e:
                     left = [t for t in preq.targets if t.role not in reported]
@@ -116,7 +118,7 @@ class Transfers:
             r.main_kv.set()  # P reported nothing more: whoever waits for MD's KV stops (main_kv_ok stays)
 
     def _transfer_done(self, r: Request, d: cluster_pb2.TransferDone) -> None:
-        err = Abort(CODES.get(d.code, grpc.StatusCode.UNKNOWN), d.error, "transfer") if d.code else None
+        err = Abort(status(d.code), d.error, "transfer") if d.code else None
         pdd = r.pipeline == common_pb2.PIPELINE_PDD
         self.estimates.learn_wire(r.kv_wire_relay if d.role == common_pb2.ROLE_RELAY else r.kv_wire_main, d)
         if d.role == common_pb2.ROLE_RELAY:
@@ -131,13 +133,13 @@ class Transfers:
         self.m.wan_bytes(d.bytes)
         if r.link is not None:
             r.link.done(r.planned, d.bytes, (d.wire_ms or d.ms) / 1e3, ok=not err, total_seconds=d.ms / 1e3)
-            r.link_done = True
+            r.link = None  # the booking is settled
         recovery.main_transfer(self.counters, r, err and err.code, d.error)
         if err and r.pipeline == common_pb2.PIPELINE_PD_CROSS:
             r.main_out.put_nowait(err)
         elif err and d.code == _REFUSED:
             r.relay_out.put_nowait(err)  # MD refuses this KV: never decode it anywhere
-        elif not err and pdd and not r.finished and not r.relay_lost:
+        elif not err and pdd and r.state is State.RELAY_STREAMING:  # RLD still serves: hand off to MD
             r.tasks.append(asyncio.create_task(self._handoff(r)))
 
     def _relay_lost(self, r: Request):
@@ -170,12 +172,11 @@ class Transfers:
                 await asyncio.wait_for(pending, timeout=self.background_timeout_s)
             except (TimeoutError, asyncio.CancelledError):
                 pass
-        if r.link is not None and not r.link_done:
+        if r.link is not None:  # the booking P never reported
             r.link.done(r.planned, 0, 0.0, ok=False)
-            r.link_done = True
+            r.link = None
         req = cluster_pb2.ReleaseRequest(request_id=r.rid, cache=True, cancel=True)
-        insts = [i for i in r.touched() if not (r.relay_released and i is r.relay)  # RLD freed at the switch
-                 and i is not r.prefill_done]  # P freed it when its Prefill call ended OK
+        insts = [i for i in r.touched() if i not in r.freed]  # RLD freed at the switch, P when its call ended OK
         await asyncio.gather(*(pools.stub(i).Release(req) for i in insts), return_exceptions=True)
 
     async def sync_main(self, r: Request) -> None:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 
+from pddjax.env import DIE_WITH_PARENT, TLS_DIR
 from serving.config import ENGINE_ROLES
 from serving.stack import netns
 from serving.stack.up import (
@@ -49,7 +50,7 @@ def spawn_link(topo: netns.Topology, target: str, latency_ms: float, workdir: st
     ready = os.path.join(workdir, f"wan{k}.ready.json")
     cmd = [*topo.wrap("a"), sys.executable, "-m", "serving.stack.netns_up", "link", "--target", target,
            "--latency-ms", str(latency_ms), "--port", "0", "--ready-file", ready]
-    env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
+    env = {**os.environ, DIE_WITH_PARENT.name: "1"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
     return Child("wan", proc, ready, cmd, env, log)
 
@@ -101,7 +102,7 @@ async def run_netns_stack(stack: dict, port: int, state_file: str | None, instan
                                               "latency_ms": latency_ms},
                     "netns": {**topo.state(), "counters_a": topo.counters("a")}, "log": log.name,
                     **gateway, "openai_service": {**gateway["openai_service"], "pid": router.proc.pid},
-                    "tls_dir": os.environ.get("PDDJAX_TLS_DIR")}
+                    "tls_dir": TLS_DIR.get()}
 
         if state_file:
             write_json(state_file, state())
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     lk.add_argument("--port", type=int, default=0)
     lk.add_argument("--ready-file", required=True)
     args = p.parse_args(argv)
-    if os.environ.get("PDDJAX_DIE_WITH_PARENT") == "1":
+    if DIE_WITH_PARENT.get():
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: ends with `up`

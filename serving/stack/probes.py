@@ -8,39 +8,32 @@ the environment (a Deployment sets them per container; `pddjax up` leaves both u
   loads and compiles, and while draining). It carries no RPC of the service, so neither the TLS
   nor the per-role authorisation of the service port is weakened.
 - PDDJAX_METRICS_PORT=N: the /metrics endpoint's port (default 0: any free one).
-A value that is not a port number: UserError, one sentence.
+A value that is not a port number: UserError, one sentence (both read through pddjax.env).
 """
 
 from __future__ import annotations
 
-import os
-
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from pddjax.errors import UserError
+from pddjax import env
 
-HEALTH_PORT_ENV = "PDDJAX_HEALTH_PORT"
-METRICS_PORT_ENV = "PDDJAX_METRICS_PORT"
+HEALTH_PORT_ENV = env.HEALTH_PORT.name
+METRICS_PORT_ENV = env.METRICS_PORT.name
 
 
 def env_port(name: str) -> int | None:
-    """The port in environment variable `name`, or None when it is unset or empty."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise UserError(f"{name} must be a port number from 1 to 65535, got {raw!r}")
-    return int(raw)
+    """The port in environment variable `name` (a port knob of pddjax.env), or None when unset."""
+    return env.KNOBS[name].get()
 
 
 def metrics_port() -> int:
-    return env_port(METRICS_PORT_ENV) or 0
+    return env.METRICS_PORT.get() or 0
 
 
 async def open_health_port(health_servicer, host: str) -> grpc.aio.Server | None:
     """A plaintext grpc.health.v1-only server on PDDJAX_HEALTH_PORT (None when unset)."""
-    port = env_port(HEALTH_PORT_ENV)
+    port = env.HEALTH_PORT.get()
     if port is None:
         return None
     server = grpc.aio.server()

@@ -72,7 +72,7 @@ def build_servicer(cfg: ServiceConfig):
 def build_engine(cfg: ServiceConfig):
     """JAX set up, the model loaded, the role's engine built and precompiled -> (model, ecfg,
     engine, channel). A multi-host instance joins its group first (engines/multihost.py): the
-    channel is process 0's Leader (also the engine's `ops`) or another process's Follower; None
+    channel is process 0's Leader (its engine a `multihost.LeaderEngine`) or another process's Follower; None
     for a one-process instance."""
     from pddjax.model.jax_setup import configure
 
@@ -87,8 +87,10 @@ def build_engine(cfg: ServiceConfig):
 
     model = load_model(cfg.model)
     ecfg = EngineConfig(**cfg.engine)
-    leader = channel if isinstance(channel, multihost.Leader) else None
-    engine = PagedEngine(model.config, model.weights, model.fingerprint, ecfg, ops=leader)
+    if isinstance(channel, multihost.Leader):  # its engine tells the followers of each device call
+        engine = multihost.LeaderEngine(model.config, model.weights, model.fingerprint, ecfg, leader=channel)
+    else:
+        engine = PagedEngine(model.config, model.weights, model.fingerprint, ecfg)
     variants, seconds = engine.precompile()
     print(f"pddjax {cfg.role} precompiled {variants} variants ({len(engine.shapes)} step shapes) in {seconds:.1f} s",
           flush=True)
@@ -162,7 +164,8 @@ async def listen(cfg: ServiceConfig) -> Listening:
 
 async def serve(cfg: ServiceConfig, ready_file: str | None = None, openai: dict | None = None) -> None:
     """`openai` (the router only; {host, port, default_max_tokens}): the OpenAI gateway served in
-    this process too (serving/openai/server.start_cohosted), its port open (503) while loading."""
+    this process too, in front of the router through its Gate (serving/stack/cohost.py), its port
+    open (503) while loading."""
     security.set_identity(cfg.role)  # the certificate this process dials its peers with
     lst = await listen(cfg)
     server, hs, names, gate, metrics, address = lst.server, lst.health, lst.names, lst.gate, lst.metrics, lst.address
@@ -170,10 +173,11 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None, openai: dict 
     metrics_url = metrics.serve_http(cfg.host, probes.metrics_port())
     gateway = None
     if openai is not None:
-        from serving.openai.server import start_cohosted, urls
+        from serving.openai.server import urls
+        from serving.stack import cohost
 
-        gateway = await start_cohosted(gate, address, openai["host"], openai["port"], cfg.model,
-                                       security.router_token(), openai.get("default_max_tokens", 256))
+        gateway = await cohost.start(gate, address, openai["host"], openai["port"], cfg.model,
+                                     security.router_token(), openai.get("default_max_tokens", 256))
         print(f"pddjax {cfg.role} OpenAI-compatible API on http://{gateway.address}/v1", flush=True)
     print(f"pddjax {cfg.role} loading on {address} (metrics {metrics_url})", flush=True)
     loop = asyncio.get_running_loop()
@@ -211,8 +215,9 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None, openai: dict 
         await health_port.stop(grace=0)
     if worker is not None:
         worker.stop()
-        if worker.engine.ops is not None:  # a multi-host leader: its followers stop, then the group ends
+        leader = getattr(worker.engine, "leader", None)  # a multi-host LeaderEngine's op log
+        if leader is not None:  # its followers stop, then the group ends
             from pddjax.engines import multihost
 
-            worker.engine.ops.close()
+            leader.close()
             multihost.shutdown()

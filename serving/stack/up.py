@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from pddjax.env import CPUS, DIE_WITH_PARENT, READY_SECONDS, TLS_DIR
 from pddjax.errors import UserError
 from serving.config import ENGINE_ROLES
 from serving.stack.supervise import Supervisor
@@ -74,21 +75,18 @@ def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, na
     ready = os.path.join(workdir, f"{name or role}.ready.json")
     cmd = [*(wrap or []), sys.executable, "-m", "serving", "serve", role, "--config", config_path, "--port", str(port),
            "--ready-file", ready, *args]
-    env = {**os.environ, "PDDJAX_DIE_WITH_PARENT": "1"}
+    env = {**os.environ, DIE_WITH_PARENT.name: "1"}
     if cpus:
-        env["PDDJAX_CPUS"] = ",".join(map(str, cpus))
+        env[CPUS.name] = ",".join(map(str, cpus))
     proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=log or None, env=env)
     return Child(role, proc, ready, cmd, env, log)
 
 
-# How long services may take to report SERVING: each precompiles its step shape set first
-# (tens of seconds from a warm compile cache; minutes on a fresh machine, where every shape of
-# the real model is compiled once: about 5 min for 110 variants on 2 loaded cores).
-READY_SECONDS = float(os.environ.get("PDDJAX_READY_SECONDS", "1200"))
-
-
-async def wait_ready(children: list[Child], timeout: float = READY_SECONDS) -> None:
-    deadline = time.monotonic() + timeout
+async def wait_ready(children: list[Child], timeout: float | None = None) -> None:
+    """Every child's address from its ready file, within `timeout` s (default PDDJAX_READY_SECONDS:
+    each service precompiles its step shape set first, tens of seconds from a warm compile cache,
+    minutes on a fresh machine: about 5 min for the real model's 110 variants on 2 loaded cores)."""
+    deadline = time.monotonic() + (READY_SECONDS.get() if timeout is None else timeout)
     while any(c.address is None for c in children):
         for c in children:
             if c.address is None and os.path.exists(c.ready_file):
@@ -180,7 +178,7 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
                                  for c in children],
                     "router": router.address, "wan": wans[0], "wans": wans, "log": log.name, **gateway,
                     "openai_service": {**gateway["openai_service"], "pid": router.proc.pid},  # after a restart too
-                    "tls_dir": os.environ.get("PDDJAX_TLS_DIR")}
+                    "tls_dir": TLS_DIR.get()}
 
         if state_file:
             write_json(state_file, state())

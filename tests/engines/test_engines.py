@@ -6,29 +6,35 @@ import numpy as np
 import pytest
 
 from pddjax.engines.paged_engine import EngineConfig, PagedEngine
-from pddjax.engines.reference import ReferenceEngine
-from pddjax.engines.step import compile_count, executables, resident_count
+from pddjax.engines.step import compile_count, executables, resident_count, run_step
 from pddjax.kv.canonical import KVImportError
 from pddjax.model.sampling_params import SamplingParams
+from tests.support.samples import prompt
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11)
 NO_STOP = ()
 
 
-def prompt(n, seed=0, vocab=512):
-    return np.random.default_rng(seed).integers(3, vocab, n).tolist()
+class LogitsEngine(PagedEngine):
+    """The paged engine keeping its last step's logits [V] of each sampled row: `logits[seq_id]`."""
+
+    def _device_step(self, batch, sampling, *, max_q_len, greedy):
+        tokens, self._row_logits, self.pool = run_step(
+            self.weights, self.cfg, batch, self.pool, *sampling, max_q_len=max_q_len, impl=self.config.attention,
+            greedy=greedy, return_logits=True, layout=self.layout)  # [B], [B, V]
+        return tokens
+
+    def step(self):
+        events = super().step()
+        self.logits = {ev.seq_id: np.asarray(self._row_logits[self.step_rows.index(ev.seq_id)]) for ev in events}
+        return events
 
 
-@pytest.fixture(scope="module")
-def ref(tiny):
-    return ReferenceEngine(tiny.config, tiny.weights)
-
-
-def engine(tiny, **kw):
+def engine(tiny, cls=PagedEngine, **kw):
     cfg = dict(page_size=8, num_pages=160, max_step_tokens=64, max_rows=8)
     cfg.update(kw)
-    return PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, EngineConfig(**cfg))
+    return cls(tiny.config, tiny.weights, tiny.fingerprint, EngineConfig(**cfg))
 
 
 def prefill(eng, prompts: dict, params) -> dict:
@@ -157,13 +163,15 @@ def test_extend_chunks_and_decode_rows_share_one_step(tiny, ref):
 
 
 def test_prefix_cache_hit_gives_cold_logits(tiny):
-    eng = engine(tiny, page_size=8)
+    eng = engine(tiny, LogitsEngine, page_size=8)
     shared = prompt(40, 7)
     eng.add("cold", shared + [9, 10], GREEDY, 1, NO_STOP)
-    _, cold = eng.step(return_logits=True)
+    eng.step()
+    cold = eng.logits
     eng.add("warm", shared + [9, 10], GREEDY, 1, NO_STOP)
     assert eng.seqs["warm"].pages.num_cached == 40
-    _, warm = eng.step(return_logits=True)
+    eng.step()
+    warm = eng.logits
     np.testing.assert_allclose(warm["warm"], cold["cold"], rtol=1e-5, atol=1e-5)
     eng.check_integrity()
 
@@ -210,7 +218,7 @@ def test_heterogeneous_pools(tiny, ref, src, dst):
     first = prefill(a, {"r": p}, GREEDY)["r"]
     kv = a.export_kv("r", 0, len(p))
     assert kv.dtype == src[0]
-    b = engine(tiny, dtype=dst[0], page_size=dst[1])
+    b = engine(tiny, LogitsEngine, dtype=dst[0], page_size=dst[1])
     admit(b, "r", p, [first], kv, GREEDY, 8)
     # the imported KV is the exporter's, cast to the receiver's dtype
     back = b.export_kv("r", 0, len(p))
@@ -223,9 +231,9 @@ def test_heterogeneous_pools(tiny, ref, src, dst):
     known = [t for t, _ in expected[:6]]
     b.release("r", cache=False)
     admit(b, "r2", p, known, kv, GREEDY, 8)
-    _, logits = b.step(return_logits=True)
+    b.step()
     want = expected[6][1]
-    assert np.abs(logits["r2"] - want).max() < 0.05 * np.abs(want).max()
+    assert np.abs(b.logits["r2"] - want).max() < 0.05 * np.abs(want).max()
 
 
 def test_foreign_fingerprint_refused(tiny):

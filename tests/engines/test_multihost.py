@@ -18,20 +18,16 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from pddjax.model.sampling_params import SamplingParams
 from tests.support.paths import ROOT
+from tests.support.samples import prompt
 
 pytestmark = pytest.mark.timeout(300)
 ENGINE = dict(page_size=16, num_pages=16, max_step_tokens=16, max_rows=2)  # 5 step shapes (each compiles per process)
 NO_STOP = ()
 LIMIT_S = 240  # every subprocess (a loaded machine compiles slowly)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
 
 
 PROMPTS = {"short": prompt(5, 1), "page": prompt(8, 2), "long": prompt(40, 3)}  # long: chunked prefill
@@ -215,13 +211,16 @@ def _join(coord: str, pid: int):
     return multihost.Leader.open(coord, 2) if pid == 0 else multihost.Follower.connect(coord, pid)
 
 
-def _engine(ops, degree: int):
+def _engine(leader, degree: int):
+    from pddjax.engines.multihost import LeaderEngine
     from pddjax.engines.paged_engine import EngineConfig, PagedEngine
     from pddjax.model.registry import load_model
 
     model = load_model("tiny")
-    return PagedEngine(model.config, model.weights, model.fingerprint,
-                       EngineConfig(**ENGINE, tensor_parallel=degree), ops=ops)
+    config = EngineConfig(**ENGINE, tensor_parallel=degree)
+    if leader is not None:
+        return LeaderEngine(model.config, model.weights, model.fingerprint, config, leader=leader)
+    return PagedEngine(model.config, model.weights, model.fingerprint, config)
 
 
 def _lead(engine) -> dict:

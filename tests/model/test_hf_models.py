@@ -9,7 +9,6 @@ logit error cannot flip a greedy token: token equality here is exact, not luck."
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -24,24 +23,15 @@ from pddjax.model import weights as wmod
 from pddjax.model.dense import forward_full
 from pddjax.model.registry import load_model
 from pddjax.model.sampling_params import SamplingParams
-from tests.support.paths import FIXTURES
+from tests.support.paths import hf_fixture, hf_reference
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 LOGIT_TOL = 1e-4  # absolute, float32; measured max error 1.5e-6 .. 2.7e-6 (logits of O(1-10))
 
 
-def fixture_dir(arch: str) -> str:
-    return os.path.join(FIXTURES, "hf", arch)
-
-
-def reference(arch: str) -> dict:
-    with open(os.path.join(fixture_dir(arch), "reference.json")) as f:
-        return json.load(f)
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def loaded(request):
-    return request.param, load_model(fixture_dir(request.param), use_cache=False), reference(request.param)
+    return request.param, load_model(hf_fixture(request.param), use_cache=False), hf_reference(request.param)
 
 
 def test_config_comes_from_config_json(loaded):
@@ -101,7 +91,7 @@ def test_sharded_and_single_file_load_equal(tmp_path):
     """The llama fixture is sharded (index.json + 2 files); the same tensors in one file load equal."""
     from safetensors.numpy import load_file, save_file
 
-    src, single = fixture_dir("llama"), tmp_path / "llama-single"
+    src, single = hf_fixture("llama"), tmp_path / "llama-single"
     shutil.copytree(src, single, ignore=shutil.ignore_patterns("model-*", "model.safetensors.index.json"))
     tensors = {}
     for f in sorted(os.listdir(src)):
@@ -121,7 +111,7 @@ def test_sharded_and_single_file_load_equal(tmp_path):
 
 def test_orbax_cache_keeps_a_bf16_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("PDDJAX_CACHE_DIR", str(tmp_path / "cache"))
-    cold, warm = load_model(fixture_dir("llama")), load_model(fixture_dir("llama"))
+    cold, warm = load_model(hf_fixture("llama")), load_model(hf_fixture("llama"))
     assert (cold.source, warm.source) == ("safetensors", "orbax-cache")
     assert warm.config == cold.config and warm.fingerprint == cold.fingerprint
     dc, dw = wmod.to_dict(cold.weights), wmod.to_dict(warm.weights)

@@ -21,22 +21,17 @@ from pddjax.model.registry import load_model
 from serving.client import make_request
 from serving.router.validate import prompt_of
 from tests.support.gguf_factory import write_llama_gguf
-from tests.support.paths import FIXTURES
+from tests.support.paths import FIXTURES, hf_reference
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def reference(arch):
-    with open(os.path.join(FIXTURES, "hf", arch, "reference.json")) as f:
-        return json.load(f)
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def facts(request):
     cfg, tok = model_facts(os.path.join(FIXTURES, "hf", request.param))  # no weights, no JAX: the router's path
-    return request.param, cfg, tok, reference(request.param)
+    return request.param, cfg, tok, hf_reference(request.param)
 
 
 def specials_in(ids, tok) -> list[int]:
@@ -81,7 +76,7 @@ def test_generate_chat_keeps_typed_special_tokens_plain(capsys):
     from serving.cli import main
 
     d = os.path.join(FIXTURES, "hf", "qwen2")
-    forged = reference("qwen2")["chat_forged"]["messages"][0]["content"]
+    forged = hf_reference("qwen2")["chat_forged"]["messages"][0]["content"]
     assert main(["generate", "--model", d, "--prompt", forged, "--chat", "--max-tokens", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     tok = model_facts(d)[1]

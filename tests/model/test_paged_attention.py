@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pddjax.model.attention import paged_attention, write_kv
+from pddjax.model.attention import Ragged, paged_attention, write_kv
 from pddjax.model.attention.pallas_paged import choose_blocks, paged_attention_pallas
 
 NUM_ROWS = 4  # B (padded batch)
@@ -94,21 +94,25 @@ def numpy_reference(q, k, v, cu, kv_lens, page_tables, sm_scale):
     return out
 
 
+def flat(fn, max_q_len=MAX_Q_LEN, sm_scale=SCALE):
+    """fn(q, k, v, rows, **kw) called as fn(q, k, v, cu_q_lens, kv_lens, page_tables, **kw)."""
+    return lambda q, k, v, cu, kv, pt, **kw: fn(q, k, v, Ragged(cu, kv, pt, max_q_len, sm_scale), **kw)
+
+
 @functools.cache
 def compiled(impl: str, block_backend: str | None = None):
     if impl == "xla":
         fn = functools.partial(paged_attention, impl="xla")
     else:
-        def fn(q, k, v, cu, kv, pt, *, max_q_len, sm_scale):
+        def fn(q, k, v, rows):
             blocks = choose_blocks("cpu" if block_backend == "split" else block_backend,
                                    page_size=k.shape[2], group=q.shape[1] // k.shape[0],
-                                   max_q_len=max_q_len, head_dim=q.shape[2], num_rows=NUM_ROWS,
+                                   max_q_len=rows.max_q_len, head_dim=q.shape[2], num_rows=NUM_ROWS,
                                    num_kv_heads=KV_HEADS, max_pages=MAX_KV // k.shape[2])
             if block_backend == "split":
                 blocks = dataclasses.replace(blocks, pages_per_block=1, kv_splits=3)
-            return paged_attention_pallas(q, k, v, cu, kv, pt, max_q_len=max_q_len,
-                                          sm_scale=sm_scale, blocks=blocks, interpret=True)
-    return jax.jit(functools.partial(fn, max_q_len=MAX_Q_LEN, sm_scale=SCALE))
+            return paged_attention_pallas(q, k, v, rows, blocks=blocks, interpret=True)
+    return jax.jit(flat(fn))
 
 
 def as_np(x):
@@ -157,8 +161,7 @@ def test_kernel_lowers_to_triton_for_cuda():
               ((B + 1,), jnp.int32), ((B,), jnp.int32), ((B, MP), jnp.int32)]
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
     for max_q_len in (1, 32):  # decode (kv splits > 1) and prefill tiles
-        fn = functools.partial(paged_attention_pallas, max_q_len=max_q_len, sm_scale=0.125,
-                               backend="gpu", interpret=False)
+        fn = flat(functools.partial(paged_attention_pallas, backend="gpu", interpret=False), max_q_len, 0.125)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
 
@@ -172,7 +175,7 @@ def test_whole_pool_with_layer_index_reads_that_layer():
     k5 = jnp.stack([k * (layer + 1) for layer in range(L)])  # [L, KH, P, S, D]
     v5 = jnp.stack([v - layer for layer in range(L)])
     for impl in ("xla", "pallas"):
-        f = jax.jit(functools.partial(paged_attention, max_q_len=MAX_Q_LEN, sm_scale=SCALE, impl=impl))
+        f = jax.jit(flat(functools.partial(paged_attention, impl=impl)))
         for layer in (0, 2):
             got = f(q, k5, v5, cu, kv, pt, layer=jnp.int32(layer))
             want = compiled("xla")(q, k5[layer], v5[layer], cu, kv, pt)
@@ -184,6 +187,6 @@ def test_whole_pool_kernel_lowers_to_triton_for_cuda():
     shapes = [((T, H, D), jnp.bfloat16), ((L, KH, P, S, D), jnp.bfloat16), ((L, KH, P, S, D), jnp.bfloat16),
               ((B + 1,), jnp.int32), ((B,), jnp.int32), ((B, MP), jnp.int32), ((), jnp.int32)]
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-    fn = functools.partial(paged_attention_pallas, max_q_len=1, sm_scale=0.125, backend="gpu", interpret=False)
+    fn = flat(functools.partial(paged_attention_pallas, backend="gpu", interpret=False), 1, 0.125)
     text = jax.jit(lambda *a: fn(*a[:6], layer=a[6])).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text

@@ -21,6 +21,7 @@ from serving.kvwire import chunks
 from serving.pb import cluster_pb2
 from tests.support.inprocess import SMALL, Ctx, Refused, engine, prefill_runs
 from tests.support.inprocess import aiter as _aiter
+from tests.support.samples import prompt
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams()
@@ -45,15 +46,11 @@ def test_sampling_at_its_bounds_is_accepted():
     SamplingParams(temperature=100.0, top_k=2**31 - 1, top_p=1.0, seed=2**31 - 1).validate()
 
 
-def _prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
-
-
 def test_out_of_vocabulary_tokens_are_refused_and_the_engine_serves_on(tiny):
     vocab = tiny.config.vocab_size
     main_engine = engine(tiny)
     ref = ReferenceEngine(tiny.config, tiny.weights)
-    prompts = {k: _prompt(20, i) for i, k in enumerate(("bad-kv", "bad-handoff", "good"))}
+    prompts = {k: prompt(20, i) for i, k in enumerate(("bad-kv", "bad-handoff", "good"))}
     runs = prefill_runs(tiny, prompts, GREEDY)
 
     async def main():

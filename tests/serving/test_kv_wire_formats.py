@@ -15,7 +15,6 @@ import pytest
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.errors import UserError
 from pddjax.kv import codec
-from pddjax.kv.canonical import KVRun
 from pddjax.model.sampling_params import SamplingParams
 from serving import kvwire, rpc
 from serving.config import service_config
@@ -25,19 +24,11 @@ from serving.router.estimates import Estimates
 from serving.router.pools import Instance
 from tests.support.inprocess import Ctx, Refused, engine, prefill_runs
 from tests.support.inprocess import aiter as _aiter
+from tests.support.samples import prompt, run_of
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams()
 TINY_NATIVE = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
-
-
-def run_of(n=60, start=0):
-    k = np.random.default_rng(0).standard_normal((2, n, 2, 16)).astype(np.float32)  # [L, T, K, D]
-    return KVRun("fp", start, k, -k, "float32")
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
 
 
 # ---- the chunk protocol ---------------------------------------------------------------------

@@ -31,7 +31,7 @@ from serving.config import ServiceConfig
 from serving.pb import cluster_pb2, cluster_pb2_grpc
 from serving.stack.server import listen
 from tests.support.paths import ROOT
-from tests.support.serving_stack import UpProcess
+from tests.support.serving_stack import launch_up
 
 pytestmark = pytest.mark.timeout(400)
 STACK = {"model": "tiny", "platform": "cpu",
@@ -142,10 +142,8 @@ def test_the_old_shared_certificate_is_refused_with_a_sentence(tmp_path, monkeyp
 @pytest.fixture(scope="module")
 def secure_up(tmp_path_factory):
     d = tmp_path_factory.mktemp("up")
-    (d / "stack.json").write_text(json.dumps(STACK))
     (d / "token").write_text(TOKEN + "\n")
-    up = UpProcess(["--config", str(d / "stack.json"), "--port", "0", "--tls", "--auth-token-file", str(d / "token"),
-                    "--wan-mbps", "2"], str(d / "state.json"))
+    up = launch_up(d, STACK, "--tls", "--auth-token-file", str(d / "token"), "--wan-mbps", "2")
     try:
         client_dir = d / "client"  # what a user is given: the CA, nothing else
         client_dir.mkdir()

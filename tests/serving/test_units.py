@@ -13,13 +13,9 @@ from pddjax.kv.canonical import KVRun
 from serving import kvwire
 from serving.config import service_config
 from serving.stack.wanlink import WanLink
+from tests.support.samples import run_of
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def run_of(n=40, dtype=np.float32, start=0):
-    k = np.random.default_rng(0).standard_normal((2, n, 2, 16)).astype(dtype)
-    return KVRun("fp", start, k, -k, np.dtype(dtype).name)
 
 
 def test_chunks_roundtrip_in_about_chunk_bytes():

@@ -321,7 +321,8 @@ def test_prefill_lease_ends_when_the_last_push_lands():
 @pytest.mark.parametrize("key", [(1, 1, 64, 1), (4, 4, 128, 1), (16, 2, 128, 8), (128, 8, 8, 64), (256, 2, 64, 256),
                                  (256, 4, 128, 128), (32, 4, 128, 16), (8, 2, 8, 4)])
 def test_step_table_rows_have_exactly_the_shape_measured(key):
-    from pddjax.sim.engine_steps import pow2, table_width
+    from pddjax.sim.engine_steps import table_width
+    from pddjax.sizes import pow2_at_least as pow2
     from tools.hostlab.step_table import rows_for
 
     rows = rows_for(key)

@@ -1,6 +1,6 @@
 """Helpers for serving tests: a stack of separate service processes on loopback, with the
 A -> B WanLink running in a background thread of the test process (so tests can slow it and
-read its byte counters), always torn down (SIGTERM, then SIGKILL)."""
+read its byte counters), always torn down (SIGTERM, then SIGKILL); and `pddjax up` as a subprocess."""
 
 from __future__ import annotations
 
@@ -112,6 +112,17 @@ class UpProcess:
             except ProcessLookupError:
                 pass
         return self.proc.returncode
+
+
+def launch_up(workdir, config: dict | str, *args: str, timeout: float = 240.0) -> UpProcess:
+    """`pddjax up --config CONFIG --port 0 ARGS...` with its state file in `workdir`; a dict
+    `config` is written to workdir/stack.json first, a str is a config file's path."""
+    if isinstance(config, dict):
+        path = os.path.join(str(workdir), "stack.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        config = path
+    return UpProcess(["--config", config, "--port", "0", *args], os.path.join(str(workdir), "state.json"), timeout)
 
 
 def pid_alive(pid: int) -> bool:

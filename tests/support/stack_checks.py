@@ -1,14 +1,25 @@
 """Checks against a running stack: every tier idle (no request, no page, no integrity error), the
-engines' `pddjax_kv_pages_active` gauges at zero, one Prometheus gauge read from a /metrics URL."""
+engines' `pddjax_kv_pages_active` gauges at zero, one Prometheus gauge or every sample read from a
+/metrics URL, the router's Stats; waiting for a condition."""
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
-from serving.pb import cluster_pb2, cluster_pb2_grpc
+from serving.pb import cluster_pb2, cluster_pb2_grpc, router_pb2, router_pb2_grpc
+
+
+def wait_until(pred, timeout: float, what: str) -> None:
+    """Poll `pred` until it holds; fail after `timeout` seconds, saying `what` did not happen."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.1)
 
 
 def assert_idle(stack, timeout=10.0):
@@ -51,3 +62,17 @@ def gauge(url: str, name: str) -> float:
             if line.startswith(name + " "):
                 return float(line.split()[1])
     raise AssertionError(f"{name} not in {url}")
+
+
+def scrape(url: str) -> dict:
+    """{(sample name, sorted label items): value} from a /metrics URL."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def router_stats(address: str) -> dict:
+    """The router's Stats (instances, links, counters, admission) at its gRPC `address`."""
+    with grpc.insecure_channel(address) as ch:
+        return json.loads(router_pb2_grpc.RouterStub(ch).Stats(router_pb2.StatsRequest(), timeout=10).json)

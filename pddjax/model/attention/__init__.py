@@ -1,8 +1,6 @@
-"""Attention over the paged KV pool: one entry point, two implementations.
-
-Layout (one layer): k_pages, v_pages [KH, P, S, D], page 0 is scratch; q [T, H, D] packed
-over rows with cu_q_lens [B+1]; kv_lens [B] include the new tokens (already written);
-page_tables [B, MP] padded with 0. Query i of row r sits at kv_lens[r] - q_len[r] + i.
+"""Attention over the paged KV pool: one entry point, two implementations, one signature
+(q [T, H, D], k_pages, v_pages [KH, P, S, D] (page 0 is scratch), and the step's rows, a
+`Ragged`: ragged.py says what they hold).
 
 Under a tensor-parallel mesh (`mesh`, one axis "model"; pddjax/engines/mesh.py) q and the
 output are split over query heads. XLA's attention is left to GSPMD (the same program,
@@ -16,6 +14,7 @@ from __future__ import annotations
 
 import jax
 
+from pddjax.model.attention.ragged import Ragged
 from pddjax.model.attention.xla_paged import paged_attention_xla, write_kv
 
 IMPLS = ("xla", "pallas")
@@ -25,12 +24,8 @@ def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
-    cu_q_lens: jax.Array,
-    kv_lens: jax.Array,
-    page_tables: jax.Array,
+    rows: Ragged,
     *,
-    max_q_len: int,
-    sm_scale: float,
     impl: str = "xla",
     layer: jax.Array | int | None = None,
     mesh=None,
@@ -43,27 +38,19 @@ def paged_attention(
     "model", or None) and `kv_sharded` (the pool's KV-head axis split over it, else replicated)
     say how the operands are laid out."""
     if mesh is not None and impl == "pallas":
-        return _pallas_per_shard(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables, max_q_len=max_q_len,
-                                 sm_scale=sm_scale, layer=layer, mesh=mesh, kv_sharded=kv_sharded)
+        return _pallas_per_shard(q, k_pages, v_pages, rows, layer=layer, mesh=mesh, kv_sharded=kv_sharded)
     if layer is not None and impl == "xla":
         k_pages, v_pages = k_pages[layer], v_pages[layer]
     if impl == "xla":
-        return paged_attention_xla(
-            q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables,
-            max_q_len=max_q_len, sm_scale=sm_scale,
-        )
+        return paged_attention_xla(q, k_pages, v_pages, rows)
     if impl == "pallas":
         from pddjax.model.attention.pallas_paged import paged_attention_pallas
 
-        return paged_attention_pallas(
-            q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables,
-            max_q_len=max_q_len, sm_scale=sm_scale, layer=layer,
-        )
+        return paged_attention_pallas(q, k_pages, v_pages, rows, layer=layer)
     raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
 
 
-def _pallas_per_shard(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables, *, max_q_len, sm_scale, layer, mesh,
-                      kv_sharded):
+def _pallas_per_shard(q, k_pages, v_pages, rows: Ragged, *, layer, mesh, kv_sharded):
     """The Pallas kernel on each device's query heads under shard_map: q [T, H/N, D] per device,
     the pool split over KV heads ([.., K/N, ..] per device) or whole (replicated)."""
     from jax.sharding import PartitionSpec as P
@@ -76,17 +63,15 @@ def _pallas_per_shard(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables, *, m
     pool_spec = P(*([None] * (k_pages.ndim - 4)), axis) if kv_sharded else P()
     layer = jax.numpy.asarray(0 if layer is None else layer, jax.numpy.int32)
 
-    def shard(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables, layer):
-        # q: [T, H/N, D]; k_pages, v_pages: this device's pool (split or whole)
+    def shard(q, k_pages, v_pages, rows, layer):
+        # q: [T, H/N, D]; k_pages, v_pages: this device's pool (split or whole); rows: whole
         kv_head = None if kv_sharded else jax.lax.axis_index(axis) * num_kv_heads // degree
-        return paged_attention_pallas(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables, max_q_len=max_q_len,
-                                      sm_scale=sm_scale, layer=layer if k_pages.ndim == 5 else None,
+        return paged_attention_pallas(q, k_pages, v_pages, rows, layer=layer if k_pages.ndim == 5 else None,
                                       kv_head=kv_head)
 
     heads = P(None, axis)
-    return jax.shard_map(shard, mesh=mesh, in_specs=(heads, pool_spec, pool_spec, P(), P(), P(), P()),
-                         out_specs=heads, check_vma=False)(q, k_pages, v_pages, cu_q_lens, kv_lens, page_tables,
-                                                           layer)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(heads, pool_spec, pool_spec, P(), P()),
+                         out_specs=heads, check_vma=False)(q, k_pages, v_pages, rows, layer)
 
 
 def default_impl(backend: str | None = None) -> str:
@@ -95,4 +80,4 @@ def default_impl(backend: str | None = None) -> str:
     return "xla" if backend == "cpu" else "pallas"
 
 
-__all__ = ["IMPLS", "default_impl", "paged_attention", "write_kv"]
+__all__ = ["IMPLS", "Ragged", "default_impl", "paged_attention", "write_kv"]

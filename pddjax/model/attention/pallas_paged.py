@@ -50,15 +50,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pddjax.model.attention.ragged import Ragged
 from pddjax.model.attention.xla_paged import MASK_VALUE, pack_rows, row_token_index
+from pddjax.sizes import pow2_at_least
 
 # float32 operands are multiplied as float32 (Triton's default would be TF32, ~1e-3 error);
 # bf16 operands are exact products either way.
 _EXACT = lax.Precision.HIGHEST
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +77,8 @@ def choose_blocks(
     num_rows: int = 1, num_kv_heads: int = 1, max_pages: int = 1,
 ) -> Blocks:
     """Block sizes per backend; the only place they are chosen."""
-    hps = _next_pow2(group)
-    want_q = _next_pow2(max_q_len)
+    hps = pow2_at_least(group)
+    want_q = pow2_at_least(max_q_len)
     if backend in ("gpu", "cuda", "rocm"):
         # tl.dot needs M, N, K >= 16; keep the tile at <= 128 rows of f32 accumulators.
         block_q = min(max(want_q, max(1, 16 // hps)), max(1, 128 // hps))
@@ -167,12 +165,8 @@ def paged_attention_pallas(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
-    cu_q_lens: jax.Array,
-    kv_lens: jax.Array,
-    page_tables: jax.Array,
+    rows: Ragged,
     *,
-    max_q_len: int,
-    sm_scale: float,
     layer: jax.Array | int | None = None,
     blocks: Blocks | None = None,
     backend: str | None = None,
@@ -181,10 +175,12 @@ def paged_attention_pallas(
 ) -> jax.Array:
     # q: [T, H, D]; k_pages, v_pages: [KH, P, S, D], or the whole pool [L, KH, P, S, D] with
     # `layer` (a traced scalar is fine): the kernel then reads that layer's pages in place, so
-    # a per-layer slice of the pool (a copy of it) is never made; cu_q_lens: [B+1];
-    # kv_lens: [B]; page_tables: [B, MP]  ->  [T, H, D] in q.dtype (padding tokens: zeros).
-    # kv_head (a traced scalar is fine): every query head reads that one KV head of the pool,
-    # in place (a tensor-parallel shard of a replicated pool: its query heads share one KV head).
+    # a per-layer slice of the pool (a copy of it) is never made  ->  [T, H, D] in q.dtype
+    # (padding tokens: zeros). kv_head (a traced scalar is fine): every query head reads that
+    # one KV head of the pool, in place (a tensor-parallel shard of a replicated pool: its
+    # query heads share one KV head).
+    cu_q_lens, kv_lens, page_tables = rows.cu_q_lens, rows.kv_lens, rows.page_tables  # [B+1], [B], [B, MP]
+    max_q_len, sm_scale = rows.max_q_len, rows.sm_scale
     if k_pages.ndim == 4:  # one layer: a free leading axis
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     elif layer is None:

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pddjax.model.attention.ragged import Ragged
+
 # Large finite negative: masked logits never produce inf - inf = nan.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -42,19 +44,9 @@ def pack_rows(cu_q_lens: jax.Array, x_blk: jax.Array, num_tokens: int) -> jax.Ar
     return jnp.where(real, out, jnp.zeros_like(out))
 
 
-def paged_attention_xla(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    cu_q_lens: jax.Array,
-    kv_lens: jax.Array,
-    page_tables: jax.Array,
-    *,
-    max_q_len: int,
-    sm_scale: float,
-) -> jax.Array:
-    # q: [T, H, D]; k_pages, v_pages: [KH, P, S, D]; cu_q_lens: [B+1]; kv_lens: [B];
-    # page_tables: [B, MP]  ->  out: [T, H, D] in q.dtype
+def paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, rows: Ragged) -> jax.Array:
+    # q: [T, H, D]; k_pages, v_pages: [KH, P, S, D]  ->  out: [T, H, D] in q.dtype
+    page_tables = rows.page_tables  # [B, MP]
     num_kv_heads, _, page_size, head_dim = k_pages.shape
     num_rows, max_pages = page_tables.shape
     # Per-row contiguous KV: [KH, B, MP, S, D] -> [KH, B, MP*S, D]. jnp.take lowers to one
@@ -62,24 +54,15 @@ def paged_attention_xla(
     shape = (num_kv_heads, num_rows, max_pages * page_size, head_dim)
     k_rows = jnp.take(k_pages, page_tables, axis=1).reshape(shape).transpose(1, 0, 2, 3)  # BKCD
     v_rows = jnp.take(v_pages, page_tables, axis=1).reshape(shape).transpose(1, 0, 2, 3)
-    return rows_attention(q, k_rows, v_rows, cu_q_lens, kv_lens, max_q_len=max_q_len, sm_scale=sm_scale)
+    return rows_attention(q, k_rows, v_rows, rows)
 
 
-def rows_attention(
-    q: jax.Array,
-    k_rows: jax.Array,
-    v_rows: jax.Array,
-    cu_q_lens: jax.Array,
-    kv_lens: jax.Array,
-    *,
-    max_q_len: int,
-    sm_scale: float,
-) -> jax.Array:
-    """Attention of packed queries over per-row contiguous KV.
+def rows_attention(q: jax.Array, k_rows: jax.Array, v_rows: jax.Array, rows: Ragged) -> jax.Array:
+    """Attention of packed queries over per-row contiguous KV (rows.page_tables unused).
 
     q: [T, H, D]; k_rows, v_rows: [B, KH, C, D] (row r's positions 0..C-1; row-major, so the
-    batched matmuls need no transposes on CPU); cu_q_lens: [B+1]; kv_lens: [B] -> [T, H, D]
-    in q.dtype. Query i of row r sits at kv_lens[r] - q_len[r] + i."""
+    batched matmuls need no transposes on CPU) -> [T, H, D] in q.dtype."""
+    cu_q_lens, kv_lens, max_q_len, sm_scale = rows.cu_q_lens, rows.kv_lens, rows.max_q_len, rows.sm_scale
     num_tokens, num_heads, head_dim = q.shape
     num_rows, num_kv_heads, max_kv, _ = k_rows.shape
     group = num_heads // num_kv_heads

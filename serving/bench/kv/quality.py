@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TEXTS = ["README.md", "docs/sim.md", "WORKSPACE_NOTES.md", "docs/structure.md"]  # natural text shipped in the repo
+TEXTS = ["README.md", "docs/sim.md", "docs/decisions.md", "docs/structure.md"]  # natural text shipped in the repo
 LINE_MBPS = 20.0  # bench serve's emulated WAN
 
 

@@ -12,7 +12,7 @@ for pages (pd-local on RLD; pdd on MD first: the router reserves MD before RLD, 
 pages at the handoff): all must complete token-exact, none refused; the router's
 `pddjax_router_page_wait_seconds` histogram is read from its /metrics before and after.
 
-Figures per burst: serving_figures.py (tokens/s, TTFT, ITL, max gap, e2e, exact). The engine
+Figures per burst: figures.py (tokens/s, TTFT, ITL, max gap, e2e, exact). The engine
 alone = a PagedEngine in this process with the relay's engine config, pinned to the relay's
 cores like RLD and measured right before the N-stream bursts (the same ambient load; `load_1m`
 beside each figure): N rows added at once, `decode_tokens_per_s` = tokens decoded after every

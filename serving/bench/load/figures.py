@@ -1,4 +1,4 @@
-"""`pddjax bench serving`'s figures (serving_load.py runs the bursts): one burst's figures
+"""`pddjax bench serving`'s figures (command.py runs the bursts): one burst's figures
 from the client's per-stream records, the router's /metrics read before and after a burst
 (page waits, refusals), the ratios, and the markdown table.
 

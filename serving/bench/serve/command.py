@@ -46,7 +46,7 @@ from serving.bench.serve.stack import BenchStack, cluster_cpus
 __all__ = ["MODES", "BenchStack", "Record", "cluster_cpus", "register", "run"]
 
 MODES = {"pdd": "auto", "pd-cross": "pd-cross", "pd-local": "pd-local", "pdd-drc-off": "auto", "pdd-int8": "auto"}
-# Default emulated WAN: see WORKSPACE_NOTES.md "WAN scaling". SmolLM2-135M f32 KV is 46,080 B/token:
+# Default emulated WAN: docs/decisions.md, "Benchmarks and measurement method". SmolLM2-135M f32 KV is 46,080 B/token:
 # a cold 1K prompt (~47 MB) takes ~19 s at 20 Mb/s, a 95%-hit turn (~50 new tokens, ~2.3 MB) ~0.9 s.
 WAN_DEFAULTS = {"mbps": 20.0, "latency_ms": 20.0, "jitter_ms": 5.0, "jitter_dist": "normal"}
 

@@ -3,7 +3,7 @@ across the exact (native KV) modes and each lossy mode's agreement with pdd, the
 measured side by side in one run: TTFT against pd-cross and pd-local, what the user feels against
 pd-local (`user_targets`), step compiles after SERVING, WAN KV with and without DRC, pdd with a
 compact KV wire format against pdd with native (`kv_wire_targets`)) and the markdown table.
-Definitions of TTFT, TPOT, ITL, e2e and the handoff gap: `bench_serve`'s docstring."""
+Definitions of TTFT, TPOT, ITL, e2e and the handoff gap: the docstring of serving/bench/serve/command.py."""
 
 from __future__ import annotations
 

@@ -82,15 +82,7 @@ class LeaseStack:
             time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    for k, v in ENV.items():
-        mp.setenv(k, v)
-    s = LeaseStack(str(tmp_path_factory.mktemp("leases")))
-    mp.undo()
-    yield s
-    s.close()
+make_stack = LeaseStack  # the `stack` fixture (tests/serving/conftest.py), started with ENV set
 
 
 def spec(rid: str, n: int = 100, seed: int = 0) -> cluster_pb2.SequenceSpec:

@@ -124,3 +124,14 @@ def test_a_full_queue_refuses_at_once_and_a_deadline_ends_the_wait(tiny):
     assert left == 0
     assert late.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no pages freed on relay" in late.message
     assert 0.5 <= waited < 2.0
+
+
+def test_one_refusal_mapping_for_prefill_and_reserve():
+    """P's Prefill and RLD / MD's Reserve answer a refused admission from the same table."""
+    from serving.engine import decode, page_queue, prefill
+
+    assert decode.refusal_status is prefill.refusal_status is page_queue.refusal_status
+    got = {type(e): page_queue.refusal_status(e) for e in (page_queue.QueueFull("full"), TimeoutError("late"),
+                                                          ValueError("never fits"))}
+    assert got == {page_queue.QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED, ValueError: grpc.StatusCode.INVALID_ARGUMENT}

@@ -27,19 +27,18 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import grpc
 import httpx
-import numpy as np
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from serving.client import Client, make_request
 from serving.pb import cluster_pb2, cluster_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.support.paths import ROOT
-from tests.support.serving_stack import UpProcess
+from tests.support.samples import prompt as ids
+from tests.support.serving_stack import launch_up
+from tests.support.stack_checks import scrape
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -49,12 +48,8 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 ENGINE = {"dtype": "float32", "page_size": 16, "num_pages": 256, "max_step_tokens": 128, "max_rows": 8}
 SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 7}
 WAN_MS = 1000  # one way, A -> B: a pd-cross request waits >= 1 s for its KV (in flight when a test acts)
-CONFIG = os.path.join(ROOT, "configs", "pddjax.toml")
+CONFIG = os.path.join(ROOT, "configs", "tiny.toml")
 LONG = 470  # tokens: ~0.8 s alone on the tiny model, more when 4 share the engine (still in flight when a test acts)
-
-
-def ids(n, seed):
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
 
 
 def write_model(path: str, tiny) -> None:
@@ -76,22 +71,16 @@ def write_model(path: str, tiny) -> None:
         mp.undo()
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory, tiny):
-    d = tmp_path_factory.mktemp("openai")
+def start_up(request, d):
+    """The `up` fixture's stack (tests/serving/conftest.py): the GGUF chat model, the bearer token."""
     model = str(d / "tinychat.gguf")
-    write_model(model, tiny)
+    write_model(model, request.getfixturevalue("tiny"))
     (d / "token").write_text(TOKEN)
     stack = {"model": model, "platform": "cpu", "engine": ENGINE, "wan": {"mbps": 0, "latency_ms": WAN_MS},
              "router": {"chunk_bytes": 4096, "max_inflight": 4, "max_queue": 0}}
-    (d / "stack.json").write_text(json.dumps(stack))
-    u = UpProcess(["--config", str(d / "stack.json"), "--port", "0", "--auth-token-file", str(d / "token")],
-                  str(d / "state.json"))
+    u = launch_up(d, stack, "--auth-token-file", str(d / "token"))
     u.model_path = model
-    try:
-        yield u
-    finally:
-        u.close()
+    return u
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +100,6 @@ def router(up):
 # ---- helpers -------------------------------------------------------------------------------
 def service(up, role):
     return next(s for s in up.state["services"] if s["role"] == role)
-
-
-def scrape(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def gateway_count(up, endpoint, code) -> float:
@@ -460,9 +442,9 @@ def test_serve_openai_flags_are_one_sentence():
 
 def test_the_gateway_never_forwards_api_keys_in_plaintext_off_host(monkeypatch):
     from serving import security
-    from serving.openai.upstream import Upstream
+    from serving.openai.upstream import GrpcUpstream
 
     monkeypatch.delenv(security.TLS_DIR_ENV, raising=False)
     with pytest.raises(security.SecurityConfigError, match="in plaintext"):
-        Upstream("10.1.2.3:50051")
-    Upstream("127.0.0.1:50051")  # on the router's host: allowed
+        GrpcUpstream("10.1.2.3:50051")
+    GrpcUpstream("127.0.0.1:50051")  # on the router's host: allowed

@@ -19,6 +19,7 @@ The kill tests run last and in this order (each leaves one instance of its role 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -31,9 +32,7 @@ import grpc
 import numpy as np
 import pytest
 
-from pddjax.engines.reference import ReferenceEngine
 from pddjax.kv.canonical import KVRun
-from pddjax.model.sampling_params import SamplingParams
 from pddjax.wan.emulator import A_TO_B, B_TO_A
 from serving import kvwire
 from serving.client import Client, make_request
@@ -41,11 +40,12 @@ from serving.pb import (
     cluster_pb2,
     cluster_pb2_grpc,
     common_pb2,
-    router_pb2,
-    router_pb2_grpc,
 )
 from serving.stack.up import spawn, stop_all, wait_ready
+from tests.support import samples
+from tests.support.samples import greedy
 from tests.support.serving_stack import LinkThread
+from tests.support.stack_checks import router_stats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -126,8 +126,7 @@ class FaultStack:
             lk.set(mbps=mbps, latency_ms=latency_ms)
 
     def stats(self) -> dict:
-        with grpc.insecure_channel(self.router) as ch:
-            return json.loads(router_pb2_grpc.RouterStub(ch).Stats(router_pb2.StatsRequest(), timeout=10).json)
+        return router_stats(self.router)
 
     def assert_idle(self, timeout: float = 30.0) -> None:
         """Every live engine service holds no request and no page, and its integrity check holds."""
@@ -180,29 +179,8 @@ def run(stack, req, on_message=None, timeout=120.0) -> Run:
     return r
 
 
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 500, n).tolist()
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    for k, v in ENV.items():
-        mp.setenv(k, v)
-    try:
-        s = FaultStack(str(tmp_path_factory.mktemp("faults")))
-    finally:
-        mp.undo()
-    try:
-        yield s
-    finally:
-        s.close()
-
-
-@pytest.fixture(scope="module")
-def ref(tiny):
-    engine = ReferenceEngine(tiny.config, tiny.weights)
-    return lambda p, n: engine.generate(p, SamplingParams(), n, ()).token_ids
+make_stack = FaultStack  # the `stack` fixture (tests/serving/conftest.py), started with ENV set
+prompt = functools.partial(samples.prompt, vocab=500)  # this module's prompts: ids below 500
 
 
 def assert_relay_then_main(sources):
@@ -240,7 +218,7 @@ def test_handoff_tokens_are_applied_once_per_request_and_chunk(stack, ref):
     that disagree with MD's is refused. MD's stream then carries every later token exactly once."""
     p_addr, md_addr = stack.live("prefill")[0], stack.live("main")[0]
     rid, p = "once-1", prompt(40, 1)
-    want = ref(p, 12)
+    want = greedy(ref, p, 12)
     spec = cluster_pb2.SequenceSpec(request_id=rid, prompt=p, max_tokens=12, stop_token_ids=[])
     with grpc.insecure_channel(md_addr) as mch, grpc.insecure_channel(p_addr) as pch:
         md, pf = cluster_pb2_grpc.DecodeStub(mch), cluster_pb2_grpc.PrefillStub(pch)
@@ -290,7 +268,7 @@ def test_handoff_retried_after_a_reset_lands_exactly_once(stack, ref):
     MD connection (none can be set up while answers are held) and pins P, RLD and MD."""
     warm = run(stack, make_request(prompt(40, 9), max_tokens=64, pipeline="pdd", ignore_eos=True,
                                    session_id="handoff-reset"))
-    assert warm.code is None and warm.tokens == ref(prompt(40, 9), 64)
+    assert warm.code is None and warm.tokens == greedy(ref, prompt(40, 9), 64)
     try:
         for attempt, latency in enumerate((150, 300, 150, 300)):
             stack.set_links(latency_ms=latency)
@@ -317,7 +295,7 @@ def test_handoff_retried_after_a_reset_lands_exactly_once(stack, ref):
             t.join(120)
             r = box["run"]
             assert r.code is None, (r.code, r.details)
-            assert r.tokens == ref(p, 440)
+            assert r.tokens == greedy(ref, p, 440)
             applied = sum(stack.rpc_count(a, "HandoffTokens") - n for a, n in hands0.items())
             if stage == "done" and "main" in r.sources:
                 break
@@ -339,7 +317,7 @@ def test_byte_flip_on_the_wan_is_detected_never_decoded(stack, ref):
     stack.on_links("inject", A_TO_B, flip_at=2000)
     r = run(stack, make_request(p, max_tokens=16, pipeline="pdd", ignore_eos=True))
     stack.on_links("clear_faults")
-    assert r.code is None and r.tokens == ref(p, 16) and set(r.sources) == {"relay"}, (r.code, r.details)
+    assert r.code is None and r.tokens == greedy(ref, p, 16) and set(r.sources) == {"relay"}, (r.code, r.details)
     assert stack.stats()["counters"].get("transfer_failed.main.DATA_LOSS", 0) >= 1
 
     stack.on_links("inject", A_TO_B, flip_at=2000)
@@ -359,7 +337,7 @@ def test_corrupted_kv_to_rld_md_serves_the_request(stack, ref):
         r = run(stack, make_request(p, max_tokens=16, pipeline="pdd", ignore_eos=True))
     finally:
         stack.on_links("clear_faults", links=stack.relay_links)
-    assert r.code is None and r.tokens == ref(p, 16), (r.code, r.details)
+    assert r.code is None and r.tokens == greedy(ref, p, 16), (r.code, r.details)
     assert set(r.sources[1:]) == {"main"}, r.sources  # token 0 is P's, forwarded at the takeover
     # RLD's Decode stream ends DATA_LOSS too; whichever report comes first, MD takes over once
     assert stack.stats()["counters"].get("main_took_over", 0) >= 1
@@ -371,7 +349,7 @@ def test_blackholed_wan_is_detected_within_the_push_timer(stack, ref):
     try:
         p = prompt(60, 30)
         r = run(stack, make_request(p, max_tokens=24, pipeline="pdd", ignore_eos=True))
-        assert r.code is None and r.tokens == ref(p, 24) and set(r.sources) == {"relay"}, (r.code, r.details)
+        assert r.code is None and r.tokens == greedy(ref, p, 24) and set(r.sources) == {"relay"}, (r.code, r.details)
         t0 = time.monotonic()
         r = run(stack, make_request(prompt(60, 31), max_tokens=24, pipeline="pd-cross", ignore_eos=True))
         took = time.monotonic() - t0
@@ -382,7 +360,7 @@ def test_blackholed_wan_is_detected_within_the_push_timer(stack, ref):
     stack.assert_idle()  # what the link held arrives now; the receivers drop it (released)
     p = prompt(50, 32)
     r = run(stack, make_request(p, max_tokens=8, pipeline="pd-cross"))
-    assert r.code is None and r.tokens == ref(p, 8), (r.code, r.details)  # the link serves again
+    assert r.code is None and r.tokens == greedy(ref, p, 8), (r.code, r.details)  # the link serves again
 
 
 # ---- killed tiers (in this order: each leaves one instance of its role dead) -------------------
@@ -403,7 +381,7 @@ def test_md_killed_mid_transfer_completes_on_relay(stack, ref):
     finally:
         stack.set_links()
     assert r.code is None, (r.code, r.details)
-    assert r.tokens == ref(p, 300) and set(r.sources) == {"relay"}
+    assert r.tokens == greedy(ref, p, 300) and set(r.sources) == {"relay"}
     st = stack.stats()
     assert any(k.startswith("transfer_failed.main.") for k in st["counters"]), st["counters"]
     assert [i["healthy"] for i in st["instances"] if i["address"] == r.killed] == [False]
@@ -418,7 +396,7 @@ def test_relay_killed_mid_decode_completes_on_main(stack, ref):
     finally:
         stack.set_links()
     assert r.code is None, (r.code, r.details)
-    assert r.tokens == ref(p, 300)
+    assert r.tokens == greedy(ref, p, 300)
     assert_relay_then_main(r.sources)
     assert stack.stats()["counters"].get("main_took_over", 0) >= 1
 
@@ -440,7 +418,7 @@ def test_prefill_killed_router_retries_then_unavailable(stack, ref):
     finally:
         stack.set_links()
     assert r.code is None, (r.code, r.details)
-    assert r.tokens == ref(p, 300)
+    assert r.tokens == greedy(ref, p, 300)
     stats = stack.stats()
     assert stats["counters"].get("retry.prefill", 0) >= 1
     assert load == [1]  # the replacement P counted this request while serving it...

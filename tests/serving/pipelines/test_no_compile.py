@@ -8,12 +8,12 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-import numpy as np
 import pytest
 
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
+from tests.support.samples import prompt
 from tests.support.serving_stack import Stack
 from tests.support.stack_checks import gauge
 
@@ -24,10 +24,6 @@ STACK = {
     "engine": {"dtype": "float32", "page_size": 16, "num_pages": 256, "max_step_tokens": 128, "max_rows": 8},
     "router": {"chunk_bytes": 4096, "handoff_threshold": 48},
 }
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
 
 
 

@@ -14,13 +14,12 @@ import grpc
 import numpy as np
 import pytest
 
-from pddjax.engines.reference import ReferenceEngine
 from pddjax.kv.canonical import KVRun
 from pddjax.model.sampling_params import SamplingParams
-from serving.client import Client, RouterError, make_request
+from serving.client import RouterError, make_request
 from serving.kvwire import chunks
 from serving.pb import cluster_pb2, cluster_pb2_grpc
-from tests.support.serving_stack import Stack
+from tests.support.samples import prompt
 from tests.support.stack_checks import assert_idle
 
 pytestmark = pytest.mark.timeout(400)  # a cold jit cache (CI) compiles in three processes
@@ -33,31 +32,6 @@ STACK = {
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
 EOS = (2,)
 SEEDED = dict(temperature=0.9, top_k=40, top_p=0.95, seed=11)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = Stack(STACK, str(tmp_path_factory.mktemp("stack")))
-    try:
-        yield s
-    finally:
-        s.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    c = Client(stack.addr["router"])
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def ref(tiny):
-    return ReferenceEngine(tiny.config, tiny.weights)
 
 
 def expected(ref, p, max_tokens, sampling):

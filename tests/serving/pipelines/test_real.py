@@ -3,14 +3,12 @@ monolithic float32 reference's tokens (greedy and seeded), pdd starting on RLD a
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
-from tests.support.serving_stack import UpProcess
+from tests.support.serving_stack import launch_up
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(400)]
 
@@ -27,14 +25,9 @@ CASES = [  # (prompt, pipeline, handoff, sampling)
 ]
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    d = tmp_path_factory.mktemp("real-stack")
-    cfg = d / "stack.json"
-    cfg.write_text(json.dumps(STACK))
-    proc = UpProcess(["--config", str(cfg), "--port", "0"], str(d / "state.json"), timeout=240)
-    yield proc
-    proc.close()
+def start_up(request, workdir):
+    """The `up` fixture's stack (tests/serving/conftest.py)."""
+    return launch_up(workdir, STACK)
 
 
 @pytest.mark.parametrize("text,pipeline,handoff,sampling", CASES, ids=[f"{c[1]}-{c[2]}-{bool(c[3])}" for c in CASES])

@@ -1,8 +1,8 @@
 """No unbounded waits (issue 17, defect 7), each on the real component:
 
-  - MD's (or RLD's) reservation whose KV never comes is dropped after KV_WAIT_SECONDS even
+  - MD's (or RLD's) reservation whose KV never comes is dropped after PDDJAX_KV_WAIT_SECONDS even
     while its Decode stream is open: the stream ends DEADLINE_EXCEEDED, the pages are free;
-  - RLD's Handoff waits for decoding (its KV) at most DECODING_WAIT_SECONDS;
+  - RLD's Handoff waits for decoding (its KV) at most PDDJAX_DECODING_WAIT_SECONDS;
   - a Generate that brings no deadline gets the router's default_deadline_s;
   - the router's background context syncs to MD: a bounded number wait, each has a timeout.
 The Decode service runs in this process (tiny model, its real engine thread)."""
@@ -17,11 +17,11 @@ import grpc
 import numpy as np
 import pytest
 
+from pddjax import env
 from pddjax.errors import UserError
 from pddjax.model.sampling_params import SamplingParams
 from serving import rpc
 from serving.config import RouterSettings
-from serving.engine import decode, handoff
 from serving.engine.decode import DecodeService
 from serving.pb import cluster_pb2, common_pb2
 from serving.router.admission import Deadline
@@ -37,7 +37,7 @@ def spec(rid: str, n: int = 20) -> cluster_pb2.SequenceSpec:
 
 
 def test_a_reservation_whose_kv_never_comes_is_dropped_with_its_stream_open(tiny, monkeypatch):
-    monkeypatch.setattr(decode, "KV_WAIT_SECONDS", 1.0)
+    monkeypatch.setenv(env.KV_WAIT_SECONDS.name, "1")
     eng = engine(tiny)
 
     async def main():
@@ -66,7 +66,7 @@ def test_a_reservation_whose_kv_never_comes_is_dropped_with_its_stream_open(tiny
 
 
 def test_relays_handoff_waits_for_decoding_a_bounded_time(tiny, monkeypatch):
-    monkeypatch.setattr(handoff, "DECODING_WAIT_SECONDS", 0.5)
+    monkeypatch.setenv(env.DECODING_WAIT_SECONDS.name, "0.5")
 
     async def main():
         svc = DecodeService("relay", engine(tiny), tiny.config, {})

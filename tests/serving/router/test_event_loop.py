@@ -15,6 +15,7 @@ from serving.pb import cluster_pb2, common_pb2
 from serving.router.detok import IncrementalText
 from serving.router.metrics import RouterMetrics
 from serving.router.request import Request
+from serving.router.request_state import State
 from serving.router.stream import Output
 
 
@@ -37,6 +38,8 @@ def run_output(token_batches, stop_strings=(), tok=None):
     async def main():
         r = Request()
         r.pipeline = common_pb2.PIPELINE_PD_LOCAL
+        for state in (State.ADMISSION, State.PLAN, State.RESERVE, State.RELAY_STREAMING):
+            r.advance(state)  # RLD is the source
 
         async def relay():  # one batch per message, as a stream that the user keeps up with
             pos = 0
@@ -49,7 +52,6 @@ def run_output(token_batches, stop_strings=(), tok=None):
                 await asyncio.sleep(0)
 
         out = Output(r, tok, stop_strings, RouterMetrics())
-        out.on_main = False
         feeder = asyncio.create_task(relay())
         text, finish, messages = "", None, 0
         async for msg in out.messages():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import numpy as np
 import pytest
 
 from pddjax.engines.paged_engine import EngineConfig, PagedEngine
@@ -18,24 +17,12 @@ from serving import rpc
 from serving.engine.decode import DecodeService
 from serving.kvwire import chunks
 from serving.pb import cluster_pb2
+from tests.support.inprocess import Ctx, aiter
+from tests.support.samples import prompt
 
 pytestmark = pytest.mark.timeout(400)
 
 GREEDY = SamplingParams()
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
-
-
-class Ctx:
-    async def abort(self, code, message):
-        raise AssertionError(f"{code}: {message}")
-
-
-async def aiter(items):
-    for x in items:
-        yield x
 
 
 def test_several_handoffs_run_in_one_md_step_with_decode_rows(tiny):

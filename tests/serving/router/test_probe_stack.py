@@ -17,15 +17,13 @@ from __future__ import annotations
 import json
 import re
 
-import grpc
 import numpy as np
 import pytest
 
-from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
-from serving.pb import router_pb2, router_pb2_grpc
-from tests.support.serving_stack import UpProcess
+from tests.support.serving_stack import launch_up
+from tests.support.stack_checks import router_stats
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -39,31 +37,19 @@ PROMPT = np.random.default_rng(16).integers(3, 512, 480).tolist()
 MAX_TOKENS = 16
 
 
-def stats(address) -> dict:
-    with grpc.insecure_channel(address) as ch:
-        return json.loads(router_pb2_grpc.RouterStub(ch).Stats(router_pb2.StatsRequest(), timeout=10).json)
-
-
 def first_request(tmp_path, probe: bool):
     """A fresh `pddjax up` over the slow link; its first request, at once -> (result, Stats)."""
-    cfg = tmp_path / "stack.json"
-    cfg.write_text(json.dumps({**STACK, "router": {**STACK["router"], "wan_probe": probe}}))
-    up = UpProcess(["--config", str(cfg), "--port", "0", "--wan-mbps", str(MBPS), "--wan-latency-ms",
-                    str(LATENCY_MS)], str(tmp_path / "state.json"))
+    up = launch_up(tmp_path, {**STACK, "router": {**STACK["router"], "wan_probe": probe}},
+                   "--wan-mbps", str(MBPS), "--wan-latency-ms", str(LATENCY_MS))
     try:
         c = Client(up.state["router"])
         try:
             r = c.generate(make_request(PROMPT, max_tokens=MAX_TOKENS, pipeline="auto", ignore_eos=True), timeout=240)
         finally:
             c.close()
-        return r, stats(up.state["router"])
+        return r, router_stats(up.state["router"])
     finally:
         up.close()
-
-
-@pytest.fixture(scope="module")
-def ref(tiny):
-    return ReferenceEngine(tiny.config, tiny.weights)
 
 
 def test_cold_long_prompt_goes_pdd_at_its_first_request(tmp_path, ref):

@@ -16,24 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import time
-import urllib.request
 
 import grpc
-import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from pddjax.engines.reference import ReferenceEngine
 from pddjax.errors import UserError
-from pddjax.model.sampling_params import SamplingParams
-from serving.client import Client, RouterError, make_request
+from serving.client import RouterError, make_request
 from serving.config import service_config
-from serving.pb import cluster_pb2, cluster_pb2_grpc, router_pb2, router_pb2_grpc
+from serving.pb import cluster_pb2, cluster_pb2_grpc
 from serving.router.admission import Admission, Deadline, Refused
-from tests.support.serving_stack import Stack
-from tests.support.stack_checks import assert_idle
+from tests.support.samples import greedy, prompt
+from tests.support.stack_checks import assert_idle, router_stats, scrape, wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -48,62 +42,17 @@ BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 
 RE, DE = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
-
-
 def req(p, max_tokens, pipeline, **kw):
     return make_request(p, max_tokens=max_tokens, pipeline=pipeline, ignore_eos=True, **kw)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = Stack(STACK, str(tmp_path_factory.mktemp("reliability")))
-    try:
-        yield s
-    finally:
-        s.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    c = Client(stack.addr["router"])
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def ref(tiny):
-    return ReferenceEngine(tiny.config, tiny.weights)
-
-
-def greedy(ref, p, n):
-    return ref.generate(p, SamplingParams(), n, ()).token_ids
-
-
-def router_stats(stack) -> dict:
-    with grpc.insecure_channel(stack.addr["router"]) as ch:
-        return json.loads(router_pb2_grpc.RouterStub(ch).Stats(router_pb2.StatsRequest(), timeout=10).json)
-
-
-def scrape(stack) -> dict:
+def router_metrics(stack) -> dict:
     """{(sample name, sorted label items): value} from the router's /metrics."""
-    url = next(c.metrics for c in stack.children if c.role == "router")
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return scrape(next(c.metrics for c in stack.children if c.role == "router"))
 
 
 def metric(m: dict, name: str, **labels) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def wait_until(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not fn():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.1)
 
 
 # ---- admission, in process (no stack) ----------------------------------------------------
@@ -152,12 +101,13 @@ def test_admission_limits_are_checked_in_config():
 # ---- the stack ---------------------------------------------------------------------------
 def test_past_max_inflight_and_max_queue_refused_fast_admitted_exact(stack, client, ref):
     p = prompt(20, 1)
-    before = scrape(stack)
+    before = router_metrics(stack)
     stack.link.set(latency_ms=3000)  # the admitted pd-cross request waits >= 3 s for its KV
     try:
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
             admitted = pool.submit(client.generate, req(p, 16, "pd-cross"), 120)
-            wait_until(lambda: router_stats(stack)["admission"]["inflight"] == 1, 60, "the first request admitted")
+            wait_until(lambda: router_stats(stack.addr["router"])["admission"]["inflight"] == 1, 60,
+                       "the first request admitted")
 
             def extra(i):
                 t = time.monotonic()
@@ -173,14 +123,14 @@ def test_past_max_inflight_and_max_queue_refused_fast_admitted_exact(stack, clie
     for code, msg, dt in refused:
         assert code == RE and "max_inflight 1" in msg and dt < 2.0, (code, msg, dt)
     assert r.token_ids == greedy(ref, p, 16) and r.pipeline == "pd-cross"
-    after = scrape(stack)
+    after = router_metrics(stack)
     assert metric(after, "pddjax_router_failures_total", code="RESOURCE_EXHAUSTED", stage="admission") - metric(
         before, "pddjax_router_failures_total", code="RESOURCE_EXHAUSTED", stage="admission") == 4
     # afterwards the stack serves normally and every tier is idle
     p2 = prompt(24, 2)
     assert client.generate(req(p2, 12, "pdd"), timeout=120).token_ids == greedy(ref, p2, 12)
-    assert router_stats(stack)["admission"] == {"inflight": 0, "queued": 0, "refused": 4, "max_inflight": 1,
-                                                "max_queue": 0}
+    assert router_stats(stack.addr["router"])["admission"] == {"inflight": 0, "queued": 0, "refused": 4,
+                                                               "max_inflight": 1, "max_queue": 0}
     assert_idle(stack, timeout=30)
 
 
@@ -189,13 +139,13 @@ def test_a_request_no_md_can_ever_hold_goes_pd_local_or_is_invalid(stack, client
     (reason main-too-small, no Reserve sent), an explicit pd-cross or pdd is INVALID_ARGUMENT
     saying so, not a RESOURCE_EXHAUSTED that a client would retry forever."""
     p = prompt(100, 3)
-    before = scrape(stack)
+    before = router_metrics(stack)
     r = client.generate(req(p, 24, "auto"), timeout=120)
     local = client.generate(req(p, 24, "pd-local"), timeout=120)
     assert r.pipeline == "pd-local" and set(r.sources) == {"relay"}
     assert "main-too-small" in r.explain, r.explain
     assert r.token_ids == local.token_ids == greedy(ref, p, 24)
-    after = scrape(stack)
+    after = router_metrics(stack)
     assert metric(after, "pddjax_router_pipeline_total", pipeline="pd-local", reason="main-too-small") - metric(
         before, "pddjax_router_pipeline_total", pipeline="pd-local", reason="main-too-small") == 1
     for pipeline in ("pd-cross", "pdd"):  # asked for MD explicitly: refused, and why
@@ -217,14 +167,14 @@ def test_a_full_main_sends_auto_pd_local_and_queues_an_explicit_pdd(stack, clien
         released = False
         try:
             p = prompt(40, 4)  # 40 + 24 tokens: MD's 7 pages could hold it, but 6 are taken
-            before = scrape(stack)
+            before = router_metrics(stack)
             r = client.generate(req(p, 24, "auto"), timeout=120)
             assert r.pipeline == "pd-local" and "main-full" in r.explain, r.explain
             assert r.token_ids == greedy(ref, p, 24)
-            after = scrape(stack)
+            after = router_metrics(stack)
             assert metric(after, "pddjax_router_pipeline_total", pipeline="pd-local", reason="main-full") - metric(
                 before, "pddjax_router_pipeline_total", pipeline="pd-local", reason="main-full") == 1
-            assert router_stats(stack)["counters"]["fallback.pd-local.main-full"] >= 1
+            assert router_stats(stack.addr["router"])["counters"]["fallback.pd-local.main-full"] >= 1
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 queued = pool.submit(client.generate, req(p, 24, "pdd"), timeout=120)
                 time.sleep(2.0)
@@ -238,13 +188,13 @@ def test_a_full_main_sends_auto_pd_local_and_queues_an_explicit_pdd(stack, clien
     assert r.pipeline == "pdd" and r.token_ids == greedy(ref, p, 24)
     print(f"pdd waited {r.timings['queued_ms']:.0f} ms for MD's pages; TTFT {r.timings['ttft_ms']:.0f} ms")
     assert r.timings["queued_ms"] >= 1500 and r.timings["ttft_ms"] >= r.timings["queued_ms"]
-    waits = metric(scrape(stack), "pddjax_router_page_wait_seconds_count", tier="main")
+    waits = metric(router_metrics(stack), "pddjax_router_page_wait_seconds_count", tier="main")
     assert waits >= 1
     assert_idle(stack, timeout=30)
 
 
 def test_deadline_too_short_every_tier_released(stack, client):
-    before = scrape(stack)
+    before = router_metrics(stack)
     stack.link.set(latency_ms=3000)  # MD's KV cannot arrive within the deadline
     try:
         t = time.monotonic()
@@ -253,17 +203,18 @@ def test_deadline_too_short_every_tier_released(stack, client):
         assert e.value.code == DE and time.monotonic() - t < 3.0
     finally:
         stack.link.set(latency_ms=0)
-    wait_until(lambda: router_stats(stack)["admission"]["inflight"] == 0, 10, "the router slot released")
+    wait_until(lambda: router_stats(stack.addr["router"])["admission"]["inflight"] == 0, 10, "the router slot released")
     assert_idle(stack, timeout=30)  # P's push, MD's reservation and stream: all gone
 
     def counted():
-        d = {k: v - before.get(k, 0.0) for k, v in scrape(stack).items() if k[0] == "pddjax_router_failures_total"}
+        d = {k: v - before.get(k, 0.0) for k, v in router_metrics(stack).items()
+             if k[0] == "pddjax_router_failures_total"}
         return sum(v for k, v in d.items() if ("code", "DEADLINE_EXCEEDED") in k[1]) == 1
     wait_until(counted, 10, "the deadline counted once in pddjax_router_failures_total")
 
 
 def test_router_metrics_count_what_happened(stack, client, ref):
-    before = scrape(stack)
+    before = router_metrics(stack)
     p = prompt(20, 5)
     cross = client.generate(req(p, 8, "pd-cross"), timeout=120)
     q = prompt(24, 6)
@@ -275,7 +226,7 @@ def test_router_metrics_count_what_happened(stack, client, ref):
     handed_off = int("main" in pdd.sources)  # under heavy load RLD may finish alone (no handoff)
 
     def d(name, **labels):
-        return metric(scrape(stack), name, **labels) - metric(before, name, **labels)
+        return metric(router_metrics(stack), name, **labels) - metric(before, name, **labels)
 
     wait_until(lambda: d("pddjax_router_wan_bytes_total") == wan, 30, f"{wan} WAN bytes counted")
     wait_until(lambda: d("pddjax_router_handoffs_total", mode="one-shot")
@@ -286,6 +237,6 @@ def test_router_metrics_count_what_happened(stack, client, ref):
         assert d("pddjax_router_requests_completed_total", pipeline=pl) == 1
         assert d("pddjax_router_pipeline_total", pipeline=pl, reason="requested") == 1
     assert d("pddjax_router_failures_total", code="INVALID_ARGUMENT", stage="validate") == 1
-    now = scrape(stack)
+    now = router_metrics(stack)
     assert metric(now, "pddjax_router_inflight") == 0 and metric(now, "pddjax_router_queue_depth") == 0
     assert metric(now, "pddjax_rpc_total", method="Generate", code="OK") >= 2  # the service-wide ones too

@@ -186,5 +186,5 @@ def test_p_is_released_only_if_its_prefill_call_did_not_end_ok():
             await transfers.release(r)
             released = sorted(name for name, method, at in log if method == "Release" and at == "start")
             assert released == (["RLD0"] if error is None else ["P0", "RLD0"]), (error, released)
-            assert r.prefill_done is (r.prefill if error is None else None)
+            assert r.freed == ([r.prefill] if error is None else [])
     asyncio.run(main())

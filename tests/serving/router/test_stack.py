@@ -17,17 +17,14 @@ import json
 import os
 import re
 import signal
-import time
 
-import grpc
-import numpy as np
 import pytest
 
-from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
-from serving.pb import router_pb2, router_pb2_grpc
-from tests.support.serving_stack import UpProcess, pid_alive
+from tests.support.samples import prompt
+from tests.support.serving_stack import launch_up, pid_alive
+from tests.support.stack_checks import router_stats, wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -42,48 +39,16 @@ SESSIONS = {"s0": "auto", "s1": "auto", "s2": "pdd", "s3": "pdd"}
 MAX_TOKENS = 8
 
 
-def tokens(n, seed):
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
-
-
-@pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    d = tmp_path_factory.mktemp("up")
-    cfg = str(d / "stack.json")
-    with open(cfg, "w") as f:
-        json.dump(STACK, f)
-    u = UpProcess(["--config", cfg, "--port", "0", "--instances", "2,2,2"], str(d / "state.json"))
-    try:
-        yield u
-    finally:
-        u.close()
-
-
-@pytest.fixture(scope="module")
-def ref(tiny):
-    return ReferenceEngine(tiny.config, tiny.weights)
-
-
-def stats(address) -> dict:
-    ch = grpc.insecure_channel(address)
-    try:
-        return json.loads(router_pb2_grpc.RouterStub(ch).Stats(router_pb2.StatsRequest(), timeout=10).json)
-    finally:
-        ch.close()
+def start_up(request, workdir):
+    """The `up` fixture's stack (tests/serving/conftest.py): two instances of each tier."""
+    return launch_up(workdir, STACK, "--instances", "2,2,2")
 
 
 def md_address(router: str, explain: str) -> str:
     """The MD a request used: explain names instances ("[P0, RLD0, MD1]"), never their addresses;
     the router's Stats maps names to addresses."""
     name = re.search(r"\b(MD\d+)\]", explain).group(1)
-    return next(i["address"] for i in stats(router)["instances"] if i["name"] == name)
-
-
-def wait_for(pred, what, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
+    return next(i["address"] for i in router_stats(router)["instances"] if i["name"] == name)
 
 
 def test_up_starts_every_instance(up):
@@ -92,7 +57,7 @@ def test_up_starts_every_instance(up):
     assert sorted(roles) == ["main", "main", "prefill", "prefill", "relay", "relay", "router"]
     assert all(pid_alive(x["pid"]) for x in s["services"])
     assert len(s["wans"]) == 2 and s["wan"] == s["wans"][0]
-    st = stats(s["router"])
+    st = router_stats(s["router"])
     assert sorted(i["role"] for i in st["instances"]) == ["main", "main", "prefill", "prefill", "relay", "relay"]
 
 
@@ -100,7 +65,7 @@ class Trace:
     def __init__(self, up, ref):
         self.router, self.ref = up.state["router"], ref
         self.client = Client(self.router)
-        self.context = {sid: tokens(40, 10 + i) for i, sid in enumerate(SESSIONS)}
+        self.context = {sid: prompt(40, 10 + i) for i, sid in enumerate(SESSIONS)}
         self.md: dict[str, list[str]] = {sid: [] for sid in SESSIONS}
         self.hit: dict[str, list[int]] = {sid: [] for sid in SESSIONS}
         self.pipelines: list[str] = []
@@ -109,7 +74,7 @@ class Trace:
     def play(self):
         """One turn of every session: the whole context plus a new message."""
         for i, (sid, pipeline) in enumerate(SESSIONS.items()):
-            p = self.context[sid] + tokens(16, 1000 * self.turn + i)
+            p = self.context[sid] + prompt(16, 1000 * self.turn + i)
             r = self.client.generate(make_request(p, max_tokens=MAX_TOKENS, pipeline=pipeline, session_id=sid,
                                                   ignore_eos=True), timeout=240)
             assert r.token_ids == self.ref.generate(p, SamplingParams(), MAX_TOKENS, ()).token_ids, (sid, r.explain)
@@ -118,8 +83,8 @@ class Trace:
             self.pipelines.append(r.pipeline)
             if r.pipeline == "pd-local":  # filtered: wait for the background sync of its context to MD
                 n = self.pipelines.count("pd-local")
-                wait_for(lambda n=n: stats(self.router)["counters"].get("sync_main.done", 0) >= n,
-                         "context sync to MD")
+                wait_until(lambda n=n: router_stats(self.router)["counters"].get("sync_main.done", 0) >= n, 60,
+                           "context sync to MD")
             self.context[sid] = p + r.token_ids
         self.turn += 1
 
@@ -140,15 +105,15 @@ def test_sessions_keep_their_md_and_survive_one_md_leaving(up, ref):
             h = t.hit[sid]
             assert h[0] < h[1] < h[2], (sid, h)  # DRC hits grow across turns (filtered turns too)
             assert h[2] >= full_pages(40 + 16 + MAX_TOKENS + 16 + MAX_TOKENS - 1), (sid, h)
-        st = stats(t.router)["counters"]
+        st = router_stats(t.router)["counters"]
         assert st["hit_main_tokens"] >= st["hit_prefill_tokens"] > 0, st  # no drift: MD holds what P holds
 
         # one MD leaves: the one s0 is on
         gone = t.md["s0"][0]
         pid = next(x["pid"] for x in up.read_state()["services"] if x["address"] == gone)
         os.kill(pid, signal.SIGTERM)
-        wait_for(lambda: not next(i for i in stats(t.router)["instances"] if i["address"] == gone)["healthy"],
-                 "the MD that left is out of the rotation", timeout=30)
+        wait_until(lambda: not next(i for i in router_stats(t.router)["instances"] if i["address"] == gone)["healthy"],
+                   30, "the MD that left is out of the rotation")
         before = {sid: list(t.hit[sid]) for sid in SESSIONS}
         t.play()
         t.play()
@@ -159,7 +124,7 @@ def test_sessions_keep_their_md_and_survive_one_md_leaving(up, ref):
                 assert t.hit[sid][3] < before[sid][2] and t.hit[sid][4] > t.hit[sid][3], (sid, t.hit[sid])
             else:  # stayed: hits keep growing
                 assert t.hit[sid][3] > before[sid][2] and t.hit[sid][4] > t.hit[sid][3], (sid, t.hit[sid])
-        c = stats(t.router)["counters"]
+        c = router_stats(t.router)["counters"]
         print(t.pipelines, t.hit, t.md, c, sep="\n")
         assert c.get("health_left", 0) >= 1 and any(k.startswith("decision.") for k in c), c
     finally:
@@ -179,10 +144,10 @@ def test_generate_cli_plays_a_session(up, ref):
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
-    p1 = tokens(50, 77)
+    p1 = prompt(50, 77)
     j1 = turn(p1)
     assert j1["pipeline"] == "pdd" and j1["token_ids"] == ref.generate(p1, SamplingParams(), 6, (2,)).token_ids
-    p2 = p1 + j1["token_ids"] + tokens(10, 78)
+    p2 = p1 + j1["token_ids"] + prompt(10, 78)
     j2 = turn(p2)
     assert j2["token_ids"] == ref.generate(p2, SamplingParams(), 6, (2,)).token_ids
     hit = int(re.search(r"MD (\d+)/", j2["explain"]).group(1))

@@ -4,24 +4,21 @@ pdd request's greedy tokens equal transformers' (qwen3 fixture: q/k norms, head_
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
 from serving.client import Client, make_request
-from tests.support.paths import FIXTURES
-from tests.support.serving_stack import UpProcess
+from tests.support.paths import hf_fixture, hf_reference
+from tests.support.serving_stack import launch_up
 
 pytestmark = pytest.mark.timeout(480)  # a cold jit cache compiles 14 step variants in each of three processes
 
-MODEL = os.path.join(FIXTURES, "hf", "qwen3")
+MODEL = hf_fixture("qwen3")
 
 
 @pytest.fixture(scope="module")
-def ref():
-    with open(os.path.join(MODEL, "reference.json")) as f:
-        return json.load(f)
+def hf_ref():
+    """transformers' answers on the qwen3 checkpoint."""
+    return hf_reference("qwen3")
 
 
 STACK = {"model": "tiny", "platform": "cpu",  # `--model DIR` overrides it
@@ -30,12 +27,9 @@ STACK = {"model": "tiny", "platform": "cpu",  # `--model DIR` overrides it
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    work = tmp_path_factory.mktemp("up")
-    with open(work / "stack.json", "w") as f:
-        json.dump(STACK, f)
-    up = UpProcess(["--config", str(work / "stack.json"), "--model", MODEL, "--port", "0", "--wan-latency-ms", "5"],
-                   str(work / "state.json"), timeout=400)
+def hf_client(tmp_path_factory):
+    """A router client of `pddjax up --model` over the qwen3 checkpoint."""
+    up = launch_up(tmp_path_factory.mktemp("up"), STACK, "--model", MODEL, "--wan-latency-ms", "5", timeout=400)
     try:
         c = Client(up.state["router"])
         yield c
@@ -45,16 +39,16 @@ def client(tmp_path_factory):
 
 
 @pytest.mark.parametrize("pipeline", ["pdd", "pd-local"])
-def test_chat_through_the_stack_equals_transformers(client, ref, pipeline):
-    chat = next(p for p in ref["prompts"] if p["name"] == "chat")
-    r = client.generate(make_request(chat=ref["chat"]["messages"], max_tokens=ref["n_new"], pipeline=pipeline,
-                                     handoff="chunked", ignore_eos=True), timeout=240)
+def test_chat_through_the_stack_equals_transformers(hf_client, hf_ref, pipeline):
+    chat = next(p for p in hf_ref["prompts"] if p["name"] == "chat")
+    r = hf_client.generate(make_request(chat=hf_ref["chat"]["messages"], max_tokens=hf_ref["n_new"],
+                                        pipeline=pipeline, handoff="chunked", ignore_eos=True), timeout=240)
     assert r.pipeline == pipeline and r.usage["prompt_tokens"] == len(chat["prompt_ids"])
     assert r.token_ids == chat["greedy"]
 
 
-def test_text_through_the_stack_equals_transformers(client, ref):
-    fox = ref["prompts"][0]
-    r = client.generate(make_request(text=fox["text"], max_tokens=ref["n_new"], pipeline="pdd", ignore_eos=True),
-                        timeout=240)
+def test_text_through_the_stack_equals_transformers(hf_client, hf_ref):
+    fox = hf_ref["prompts"][0]
+    r = hf_client.generate(make_request(text=fox["text"], max_tokens=hf_ref["n_new"], pipeline="pdd",
+                                        ignore_eos=True), timeout=240)
     assert r.token_ids == fox["greedy"]

@@ -22,8 +22,8 @@ from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
 from serving.stack import netns
-from tests.support.paths import ROOT
-from tests.support.serving_stack import UpProcess, pid_alive
+from tests.support.paths import CONFIGS
+from tests.support.serving_stack import launch_up, pid_alive
 
 PROBLEM = netns.not_permitted() if os.name == "posix" else "not Linux"
 pytestmark = [pytest.mark.skipif(PROBLEM is not None, reason=f"network namespaces not permitted: {PROBLEM}"),
@@ -48,15 +48,11 @@ def stale():
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-@pytest.fixture(scope="module")
-def up(stale, tmp_path_factory):
-    state = str(tmp_path_factory.mktemp("netns") / "state.json")
-    u = UpProcess(["--netns", "--config", os.path.join(ROOT, "configs", "tiny.toml"), "--port", "0",
-                   "--wan-mbps", str(WAN_MBPS), "--wan-latency-ms", "2"], state, timeout=300)
-    try:
-        yield u
-    finally:
-        u.close()
+def start_up(request, workdir):
+    """The `up` fixture's stack (tests/serving/conftest.py), started after `stale` was made."""
+    request.getfixturevalue("stale")
+    return launch_up(workdir, os.path.join(CONFIGS, "tiny.toml"), "--netns", "--wan-mbps", str(WAN_MBPS),
+                     "--wan-latency-ms", "2", timeout=300)
 
 
 def topology(state: dict) -> netns.Topology:

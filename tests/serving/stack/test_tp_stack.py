@@ -26,7 +26,7 @@ from pddjax.engines.reference import ReferenceEngine
 from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
 from tests.support.paths import FIXTURES
-from tests.support.serving_stack import UpProcess
+from tests.support.serving_stack import UpProcess, launch_up
 from tests.support.stack_checks import gauge
 
 # cold jit cache: sharded step variants in three processes (tiny at 4 rows x 64 step tokens: 450 s loaded)
@@ -53,11 +53,8 @@ def fake_devices(n: int):
 
 
 def up_stack(work, stack: dict, timeout: float) -> UpProcess:
-    with open(work / "stack.json", "w") as f:
-        json.dump(stack, f)
     with fake_devices(8):
-        return UpProcess(["--config", str(work / "stack.json"), "--port", "0", "--wan-latency-ms", "5"],
-                         str(work / "state.json"), timeout=timeout)
+        return launch_up(work, stack, "--wan-latency-ms", "5", timeout=timeout)
 
 
 @contextlib.contextmanager

@@ -25,27 +25,19 @@ from pddjax.model import weights as wmod
 from pddjax.model.dense import forward_full
 from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, RouterError, make_request
-from tests.support.paths import ROOT
-from tests.support.serving_stack import UpProcess, pid_alive
+from tests.support.paths import CONFIGS
+from tests.support.samples import prompt
+from tests.support.serving_stack import launch_up, pid_alive
 
-pytestmark = pytest.mark.timeout(400)
+UP_CONFIGS = ["hetero-tiny.toml", "hetero-tiny-rev.toml"]  # every test runs on each: one `up` per config
+pytestmark = [pytest.mark.timeout(400), pytest.mark.parametrize("up", UP_CONFIGS, indirect=True, scope="module")]
 
 TOL = 0.1
 
 
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
-
-
-@pytest.fixture(scope="module", params=["hetero-tiny.toml", "hetero-tiny-rev.toml"])
-def up(request, tmp_path_factory):
-    state = str(tmp_path_factory.mktemp("up") / "state.json")
-    u = UpProcess(["--config", os.path.join(ROOT, "configs", request.param), "--port", "0",
-                   "--wan-latency-ms", "5"], state)
-    try:
-        yield u
-    finally:
-        u.close()
+def start_up(request, workdir):
+    """The `up` fixture's stack (tests/serving/conftest.py), from the config file `request.param`."""
+    return launch_up(workdir, os.path.join(CONFIGS, request.param), "--wan-latency-ms", "5")
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,17 @@
-"""The co-hosted gateway's in-process upstream (serving/openai/local.py) and the lean SSE stream
-(serving/openai/app.py), against a stand-in router generator: no stack, no engines (~2 s).
+"""The co-host adapter (serving/stack/cohost.py: router -> RouterUpstream -> gateway) and the lean
+SSE stream (serving/openai/app.py), against a stand-in router behind a real Gate: no stack, no
+engines (~2 s).
 
   - the bearer token is checked before the router's Gate, with the router port's sentences (401),
-    then loading / draining -> UNAVAILABLE (503);
+    then loading / draining -> UNAVAILABLE (503), the Gate's own sentences;
   - a deadline ends a call waiting on the router with DEADLINE_EXCEEDED, inside the router's
     generator as a CancelledError (its cancel path releases every tier);
   - after the first message the router goes on without waiting for the consumer (as its gRPC
     handler does); cancel() of a call that never streamed ends the router's generator at once;
-  - over HTTP (uvicorn + the app, the local upstream): keep-alive comments while the router is
+  - over HTTP (uvicorn + the app, the adapter): keep-alive comments while the router is
     quiet, chunks, `data: [DONE]`; a client that disconnects mid-stream ends the router's generator;
   - the router's drain: a new request 503, /health 503, a stream in flight runs to [DONE];
-  - the token chunks' template is JSON-equal to the pydantic chunk.
+  - the real RouterService's entry point (no tiers): its refusal is the gateway's 400, its Stats /v1/models'.
 """
 
 from __future__ import annotations
@@ -21,19 +22,21 @@ import json
 import grpc
 import pytest
 
-from serving.gate import DRAINING, LOADING, SERVING
+from serving.gate import Gate
 from serving.openai import app as gateway_app
 from serving.openai.answer import Served
 from serving.openai.app import Gateway
-from serving.openai.local import LocalUpstream
 from serving.openai.server import _listen
 from serving.pb import common_pb2, router_pb2
+from serving.stack import cohost
+from serving.stack.cohost import RouterUpstream
 
 pytestmark = pytest.mark.timeout(60)
 
 
 class FakeRouter:
-    """generate_local: the pipeline message, then `tokens` one per `gap_s` (or waits forever)."""
+    """The router's public entry points: generate_local (the pipeline message, then `tokens` one
+    per `gap_s`, or waits forever) and stats."""
 
     def __init__(self, tokens: int = 3, gap_s: float | None = 0.0):
         self.tokens, self.gap_s = tokens, gap_s
@@ -66,9 +69,10 @@ class FakeRouter:
         return {"model": {"name": "fake"}}
 
 
-class FakeGate:
-    def __init__(self, servicer, state=SERVING):
-        self.servicer, self.state = servicer, state
+def serving_gate(router) -> Gate:
+    gate = Gate()
+    gate.ready(router)
+    return gate
 
 
 def request():
@@ -87,24 +91,25 @@ async def first_error(call) -> grpc.aio.AioRpcError:
 def test_token_then_gate_then_router():
     async def main():
         router = FakeRouter()
-        gate = FakeGate(router, LOADING)
-        up = LocalUpstream(gate, "127.0.0.1:1", token="sk-t")
+        gate = Gate()  # loading: no servicer yet
+        up = RouterUpstream(gate, "127.0.0.1:1", token="sk-t")
         e = await first_error(up.generate(request(), None, None))
         assert (e.code(), e.details()) == (grpc.StatusCode.UNAUTHENTICATED, "this router requires a bearer token")
         e = await first_error(up.generate(request(), "Bearer sk-wrong", None))
         assert (e.code(), e.details()) == (grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         e = await first_error(up.generate(request(), "Bearer sk-t", None))
         assert (e.code(), e.details()) == (grpc.StatusCode.UNAVAILABLE, "the service is loading its model")
-        gate.state = DRAINING
-        assert (await first_error(up.generate(request(), "Bearer sk-t", None))).details() == "the service is draining"
         assert await up.serving() == (False, "not_serving")
-        with pytest.raises(grpc.aio.AioRpcError):
-            await up.stats("Bearer sk-wrong")
-        gate.state = SERVING
+        gate.ready(router)
+        assert await up.serving() == (True, "serving")
         msgs = [m async for m in up.generate(request(), "Bearer sk-t", 5.0)]
         assert [list(m.token_ids) for m in msgs] == [[], [10], [11], [12], []] and router.ended == ["finished"]
         assert await up.stats("Bearer sk-t") == {"model": {"name": "fake"}}
-        assert up.inflight == 0 and await up.wait_idle(0.1)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await up.stats("Bearer sk-wrong")
+        gate.drain()
+        assert (await first_error(up.generate(request(), "Bearer sk-t", None))).details() == "the service is draining"
+        assert await up.serving() == (False, "not_serving")
 
     asyncio.run(main())
 
@@ -112,21 +117,21 @@ def test_token_then_gate_then_router():
 def test_deadline_and_cancel_end_the_routers_generator():
     async def main():
         router = FakeRouter(gap_s=None)  # never sends a token
-        up = LocalUpstream(FakeGate(router), "127.0.0.1:1")
+        up = RouterUpstream(serving_gate(router), "127.0.0.1:1")
         call = up.generate(request(), None, 0.2)
         assert (await anext(call)).pipeline == common_pb2.PIPELINE_PD_LOCAL
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         e = await first_error(call)
         assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0.1 < loop.time() - t0 < 1.0
-        assert router.ended == ["cancelled"] and up.inflight == 0
+        assert router.ended == ["cancelled"] and call.cancel() is False  # it had ended
         call = up.generate(request(), None, None)
         await anext(call)  # the router goes on at once (the next message pulled ahead) ...
         await asyncio.sleep(0.05)
         assert router.reached == 2
-        call.cancel()  # ... and the response never started: that pull is cancelled
+        assert call.cancel() is True  # ... and the response never started: that pull is cancelled
         await asyncio.sleep(0.05)
-        assert router.ended == ["cancelled", "cancelled"] and up.inflight == 0
+        assert router.ended == ["cancelled", "cancelled"] and call.cancel() is False
 
     asyncio.run(main())
 
@@ -139,7 +144,7 @@ def test_http_stream_pings_while_quiet_and_disconnect_ends_the_router(monkeypatc
 
     async def main():
         router = FakeRouter(tokens=2, gap_s=0.35)
-        gw = Gateway(LocalUpstream(FakeGate(router), "127.0.0.1:1"), Served("m", "x"), check_model=False)
+        gw = Gateway(RouterUpstream(serving_gate(router), "127.0.0.1:1"), Served("m", "x"), check_model=False)
         server, task, address = await _listen(gw, "127.0.0.1", 0)
         try:
             async with aiohttp.ClientSession() as s:
@@ -162,7 +167,7 @@ def test_http_stream_pings_while_quiet_and_disconnect_ends_the_router(monkeypatc
                     if len(router.ended) == 2:
                         break
                     await asyncio.sleep(0.02)
-                assert router.ended == ["finished", "cancelled"] and gw.upstream.inflight == 0
+                assert router.ended == ["finished", "cancelled"] and gw.inflight == 0
         finally:
             server.should_exit = True
             await task
@@ -170,38 +175,21 @@ def test_http_stream_pings_while_quiet_and_disconnect_ends_the_router(monkeypatc
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
-@pytest.mark.parametrize("return_ids", [False, True], ids=["text", "ids"])
-def test_token_chunk_template_is_the_pydantic_chunk(chat, return_ids):
-    from serving.openai.answer import Answer
-
-    a = Answer(chat, "cmpl-1", Served("m", "x"), return_ids)
-    for usage_null in (False, True):
-        for source in (0, common_pb2.ROLE_RELAY, common_pb2.ROLE_MAIN):
-            for text, ids in (("abc", [12]), ("", [5, 6]), ("x", []),
-                              ('q"\\\n\u00e9\u4e2d\x01 [987654321987] pddjax-text-marker', [1, 2])):
-                want = a.chunk(text, ids, usage_null=usage_null, source=source).model_dump_json(exclude_unset=True)
-                assert json.loads(a.token_chunk_json(text, ids, usage_null, source)) == json.loads(want)
-
-
-
 def test_cohosted_drain_refuses_new_requests_and_lets_streams_finish():
     """The router's SIGTERM drain (serving/stack/server.py): with its Gate draining a new request is
     503 and /health 503, while a stream in flight runs to [DONE]; `Cohosted.stop` waits for it."""
     import aiohttp
 
-    from serving.openai.server import start_cohosted
-
     body = {"model": "any", "prompt": [1, 2, 3], "max_tokens": 3, "stream": True}
 
     async def main():
         router = FakeRouter(tokens=3, gap_s=0.15)
-        gate = FakeGate(router)
-        gw = await start_cohosted(gate, "127.0.0.1:1", "127.0.0.1", 0, None, None)
+        gate = serving_gate(router)
+        gw = await cohost.start(gate, "127.0.0.1:1", "127.0.0.1", 0, None, None)
         url = f"http://{gw.address}"
         async with aiohttp.ClientSession() as s:
             async with s.post(url + "/v1/completions", json=body) as r:
-                gate.state = DRAINING
+                gate.drain()
                 async with s.post(url + "/v1/completions", json={**body, "stream": False}) as refused:
                     assert refused.status == 503 and "draining" in (await refused.json())["error"]["message"]
                 async with s.get(url + "/health") as h:
@@ -210,5 +198,35 @@ def test_cohosted_drain_refuses_new_requests_and_lets_streams_finish():
                 lines = [raw.rstrip(b"\r\n") async for raw in r.content]
             assert lines[-2:] == [b"data: [DONE]", b""] and router.ended == ["finished"]
         await asyncio.wait_for(stopping, 10)
+
+    asyncio.run(main())
+
+
+def test_the_real_routers_entry_point_refuses_and_answers_stats_through_the_gateway():
+    """RouterService.generate_local behind its Gate (no tiers started): its INVALID_ARGUMENT is
+    the gateway's 400 with the router's sentence; /v1/models reads the router's own Stats."""
+    import aiohttp
+
+    from pddjax.model.config import TINY
+    from serving.config import RouterSettings
+    from serving.router.service import RouterService
+
+    async def main():
+        router = RouterService(RouterSettings(prefill=["127.0.0.1:1"], relay=["127.0.0.1:2"], main=["127.0.0.1:3"]),
+                               TINY, None)
+        gw = await cohost.start(serving_gate(router), "127.0.0.1:1", "127.0.0.1", 0, None, None)
+        url = f"http://{gw.address}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"model": "x", "prompt": "hi", "max_tokens": 2}) as r:
+                    assert r.status == 400, await r.text()
+                    assert (await r.json())["error"]["message"] == "model tiny has no tokenizer: send token_ids"
+                async with s.get(url + "/v1/models") as r:
+                    card = (await r.json())["data"][0]
+                assert card["pddjax"]["model"]["name"] == "tiny"
+                assert set(card["pddjax"]["healthy_instances"]) == {"prefill", "relay", "main"}
+            assert router.counters["requests.failed"] == 0  # refused while validating: nothing reserved
+        finally:
+            await gw.stop(1.0)
 
     asyncio.run(main())
