@@ -159,6 +159,13 @@ TRACEMALLOC_ROLE = _knob("TRACEMALLOC_ROLE", "text", None,
                          "only this role traces when TRACEMALLOC is set (unset: every role)")
 
 
+def check() -> None:
+    """Every knob read once: the first bad value raises its UserError. The command calls this
+    before it runs anything, so a bad value stops a process at start, not on a request."""
+    for knob in KNOBS.values():
+        knob.get()
+
+
 def cache_dir() -> str:
     """CACHE_DIR, else ~/.cache/pddjax."""
     return CACHE_DIR.get() or os.path.join(os.path.expanduser("~"), ".cache", "pddjax")

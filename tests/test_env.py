@@ -126,3 +126,15 @@ def test_every_knob_is_declared_once_with_a_kind_and_a_meaning():
     for name, knob in env.KNOBS.items():
         assert name == knob.name and name.startswith(env.PREFIX), name
         assert knob.kind in env.KINDS and knob.meaning and "\n" not in knob.meaning, name
+
+
+def test_the_command_refuses_a_bad_value_before_it_runs_anything(monkeypatch, tmp_path, capsys):
+    """A knob read only on a request path (the handoff's timeout) still stops the command at start."""
+    from serving.cli import main
+
+    monkeypatch.setenv(env.HANDOFF_TIMEOUT_SECONDS.name, "-1")
+    out = tmp_path / "certs"
+    assert main(["certs", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"pddjax: error: {env.HANDOFF_TIMEOUT_SECONDS.name} must be a number of seconds > 0, got '-1'"]
+    assert not out.exists()

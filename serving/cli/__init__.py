@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from pddjax import env
 from pddjax.errors import UserError
 
 # Modules that contribute subcommands (imported lazily so `pddjax --help` stays fast).
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        env.check()
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"pddjax: error: {e}", file=sys.stderr)
