@@ -113,6 +113,8 @@ MULTIHOST_PORT = _knob("MULTIHOST_PORT", "port", None,
                        "a multi-host leader's op channel port (unset: any free one, told to the followers)")
 HEARTBEAT_SECONDS = _knob("HEARTBEAT_SECONDS", "int", 30,
                           "jax.distributed heartbeat timeout: a silent process ends the instance after this")
+MULTIHOST_WRITE_SECONDS = _knob("MULTIHOST_WRITE_SECONDS", "seconds", 30.0,
+                                "a multi-host follower that takes no 1 MiB of an op for this long ends the instance")
 
 # ---- engine services (serving.engine) -------------------------------------------------------
 MAX_WAITING = _knob("MAX_WAITING", "int", 256,
@@ -151,6 +153,8 @@ DIE_WITH_PARENT = _knob("DIE_WITH_PARENT", "flag", False,
                         "1: the process gets SIGTERM when its parent dies (set by `up` for its children)")
 READY_SECONDS = _knob("READY_SECONDS", "seconds", 1200.0,
                       "`pddjax up` waits this long at most for every service to report SERVING")
+OPENAI_CACHE_HITS = _knob("OPENAI_CACHE_HITS", "flag", False,
+                          "1: the OpenAI gateway's responses tell the prefix caches' hits (cached_tokens; 0: never)")
 
 # ---- diagnostics (pddjax.memdiag) -----------------------------------------------------------
 TRACEMALLOC = _knob("TRACEMALLOC", "int", None,

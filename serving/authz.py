@@ -24,6 +24,7 @@ import os
 
 import grpc
 
+from pddjax.addresses import host_of, is_loopback
 from serving import security
 
 ROUTER, PREFILL, RELAY, MAIN = "router", "prefill", "relay", "main"
@@ -155,7 +156,7 @@ class KVPeers:
 
     def allows(self, address: str) -> bool:
         if not self.static and self.path is None:
-            return security.is_loopback(security.host_of(address))
+            return is_loopback(host_of(address))
         return address in self.static or (self.path is not None and address in self._from_file())
 
     def refusal(self, addresses) -> str | None:

@@ -8,6 +8,7 @@ import time
 
 import grpc
 
+from pddjax.addresses import host_of, is_loopback
 from serving import rpc
 from serving.pb import common_pb2, router_pb2, router_pb2_grpc
 
@@ -78,7 +79,7 @@ class Client:
 
         creds = security.client_credentials(ca)
         self.metadata = security.auth_metadata(token)
-        if self.metadata and creds is None and not security.is_loopback(security.host_of(address)):
+        if self.metadata and creds is None and not is_loopback(host_of(address)):
             raise security.SecurityConfigError(
                 f"refusing to send the bearer token in plaintext to {address}: give the router's CA "
                 f"(ca=, {security.CA_FILE_ENV} or {security.TLS_DIR_ENV})")

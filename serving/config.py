@@ -6,6 +6,8 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
     host = "127.0.0.1"
     insecure = false          # plaintext on a non-loopback host only with this (or --insecure)
     reflection = false        # grpc reflection on the service ports (also per role table)
+    max_concurrent_rpcs = 4096  # RPCs a service port serves at once, open streams included (also
+                              # per role table); one more answers RESOURCE_EXHAUSTED at once
     [engine]                  # defaults for prefill, relay, main
     dtype = "float32"; page_size = 16; num_pages = 256; attention = "auto"
     max_step_tokens = 256; max_rows = 32; prefix_cache = true; pad_limit = 1.5
@@ -16,6 +18,9 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
                               # (RLD, and MD as P reaches it: the WAN link's address); kv_peers_file
                               # = a JSON list of more, re-read when it changes (`pddjax up` writes
                               # one); neither: loopback addresses only (serving/authz.py)
+                              # [relay] handoff_peers = ["host:port", ...]: the MD addresses RLD
+                              # may hand off to (MD as RLD reaches it: the router's main_wan);
+                              # unset: any HOST:PORT (serving/engine/handoff.py)
                               # coordinator_address = "HOST:PORT", num_processes, process_id: one
                               # instance over several hosts (engines/multihost.py; flags override)
     [router]                  # port; prefill/relay/main: address lists (several instances per
@@ -32,6 +37,7 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
                               # admission: max_inflight = 256 requests served at once, max_queue =
                               # 512 waiting for a slot; past both Generate answers RESOURCE_EXHAUSTED
                               # default_deadline_s = 600: a Generate without a deadline gets this one;
+                              # max_deadline_s = 1800: a longer one (gRPC's or the gateway's) is cut to it;
                               # sync_timeout_s = 120, max_sync_waiting = 64: background context syncs
                               # relay_kv_wire = the KV wire format of P -> RLD (default "native")
     [wan]                     # mbps (0 = unlimited), latency_ms  (pddjax up's A -> B link);
@@ -90,6 +96,7 @@ class RouterSettings:
     max_inflight: int = 256  # requests served at once (router_admission.py)
     max_queue: int = 512  # requests waiting (FIFO) for a slot; past both: RESOURCE_EXHAUSTED at once
     default_deadline_s: float = 600.0  # a Generate that brings no deadline gets this one (never unbounded)
+    max_deadline_s: float = 1800.0  # a Generate's deadline at most: a longer one is cut to it (holds no slot longer)
     sync_timeout_s: float = 120.0  # a background context sync to MD (a filtered turn) gives up after this
     max_sync_waiting: int = 64  # syncs queued behind the one running; past it a new one is dropped (counted)
     kv_wire: str = "native"  # KV wire format P -> MD (the WAN; `[wan] kv_wire`), pddjax.kv.codec.FORMATS
@@ -103,6 +110,9 @@ class RouterSettings:
             raise UserError(f"[router] wan_mbps and wan_probe_wait_ms must be >= 0, "
                             f"got {self.wan_mbps} and {self.wan_probe_wait_ms}")
         positive = float(self.default_deadline_s) > 0 and float(self.sync_timeout_s) > 0
+        if not float(self.default_deadline_s) <= float(self.max_deadline_s) < float("inf"):
+            raise UserError(f"[router] max_deadline_s must be finite and at least default_deadline_s, "
+                            f"got {self.max_deadline_s} and {self.default_deadline_s}")
         if not positive or int(self.max_sync_waiting) < 0:
             raise UserError(f"[router] default_deadline_s and sync_timeout_s must be > 0 and max_sync_waiting >= 0, "
                             f"got {self.default_deadline_s}, {self.sync_timeout_s} and {self.max_sync_waiting}")
@@ -130,8 +140,10 @@ class ServiceConfig:
     router: RouterSettings = dataclasses.field(default_factory=RouterSettings)
     insecure: bool = False  # plaintext allowed on a non-loopback host (serving/security.py)
     reflection: bool = False  # grpc reflection on this service's port
+    max_concurrent_rpcs: int = 4096  # RPCs its port serves at once (streams count); past it RESOURCE_EXHAUSTED
     kv_peers: list[str] = dataclasses.field(default_factory=list)  # prefill: where it may push KV (authz.KVPeers)
     kv_peers_file: str | None = None  # prefill: a JSON list of more, re-read when it changes
+    handoff_peers: list[str] = dataclasses.field(default_factory=list)  # relay: MD addresses it may hand off to
     # a multi-host instance (pddjax/engines/multihost.py): process 0 serves, the others follow its steps
     coordinator_address: str | None = None  # HOST:PORT of process 0's jax.distributed coordinator
     num_processes: int = 1
@@ -166,10 +178,15 @@ def service_config(stack: dict, role: str, port: int | None = None) -> ServiceCo
         cfg.port = port
     for key in ("insecure", "reflection"):  # top level, or the role's table
         setattr(cfg, key, bool(section.pop(key, stack.get(key, False))))
+    rpcs = section.pop("max_concurrent_rpcs", stack.get("max_concurrent_rpcs", cfg.max_concurrent_rpcs))
+    if isinstance(rpcs, bool) or not isinstance(rpcs, int) or rpcs < 1:
+        raise UserError(f"[{role}] max_concurrent_rpcs must be an integer >= 1, got {rpcs!r}")
+    cfg.max_concurrent_rpcs = rpcs
     if role == "prefill":
-        peers = section.pop("kv_peers", [])
-        cfg.kv_peers = [a for a in peers.split(",") if a] if isinstance(peers, str) else [str(a) for a in peers]
+        cfg.kv_peers = _addresses(section.pop("kv_peers", []))
         cfg.kv_peers_file = section.pop("kv_peers_file", None)
+    if role == "relay":
+        cfg.handoff_peers = _addresses(section.pop("handoff_peers", []))
     if role == "router":
         known = {f.name for f in dataclasses.fields(RouterSettings)}
         unknown = set(section) - known
@@ -203,6 +220,11 @@ def service_config(stack: dict, role: str, port: int | None = None) -> ServiceCo
         raise UserError(f"[{role}] {problem}")
     cfg.engine = engine
     return cfg
+
+
+def _addresses(value) -> list[str]:
+    """An address list as a table states it: a list, or one comma-separated string."""
+    return [a for a in value.split(",") if a] if isinstance(value, str) else [str(a) for a in value]
 
 
 def multihost_problem(cfg: ServiceConfig) -> str | None:

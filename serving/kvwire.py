@@ -5,7 +5,11 @@ The crc32 covers every field a receiver acts on (request id, seq, start, token c
 known tokens, head range, k, v, scales, and the header's wire format and head split), over the
 bytes as encoded, so a flipped bit anywhere but the rest of the header is DATA_LOSS; the header
 is checked by value (a flipped fingerprint or dtype is refused, flipped sizes or positions do
-not match the chunks). Nothing is imported before its chunk passed every check.
+not match the chunks). Nothing is imported before its chunk passed every check. A service's
+receiver names its own model's layout and the tokens the reservation holds (`Assembler`'s
+`layout`, `max_end`): a header that disagrees is INVALID_ARGUMENT before any chunk is decoded,
+so no chunk decodes to more than the reservation's bytes; every chunk of a stream names the
+request its first chunk named (else INVALID_ARGUMENT).
 
 k and v travel [L, T, Kr, D] in the wire format the router chose for the link (the header's
 `kv_wire`, pddjax.kv.codec): `native` = raw little-endian in the sender's dtype, else bf16,
@@ -150,10 +154,16 @@ class Assembler:
     -> KVRun pieces (a whole run per token block, or that block's head pieces, by first head,
     once every range of the sender's split arrived); native ones stay in the sender's dtype
     (import_run casts, as before), the others are decoded into `out_dtype` (the receiver's pool
-    dtype; None: float32). `accepts`: the formats this receiver declared."""
+    dtype; None: float32). `accepts`: the formats this receiver declared. A service names its
+    own model's `layout` (layers, KV heads, head_dim) and `max_end`, the tokens its reservation
+    holds: a header that disagrees with either is refused before any chunk is decoded, so no
+    chunk decodes to more than the reservation's bytes (None: unchecked, for local tools)."""
 
-    def __init__(self, fingerprint: str, accepts: tuple[str, ...] = ACCEPTED, out_dtype: str | None = None):
+    def __init__(self, fingerprint: str, accepts: tuple[str, ...] = ACCEPTED, out_dtype: str | None = None,
+                 layout: tuple[int, int, int] | None = None, max_end: int | None = None):
         self.fingerprint, self.accepts, self.out_dtype = fingerprint, tuple(accepts), out_dtype
+        self.layout, self.max_end = layout, max_end
+        self.request_id: str | None = None  # the stream's, named by its first chunk
         self.header: cluster_pb2.KVHeader | None = None
         self.format: codec.Format | None = None
         self.ranges: list[tuple[int, int]] = []  # the sender's head split
@@ -169,6 +179,16 @@ class Assembler:
                             f"KV was computed by model {h.fingerprint}, this service serves {self.fingerprint}")
         if h.dtype not in DTYPES:
             raise WireError("FAILED_PRECONDITION", f"KV dtype {h.dtype!r} is not one of {sorted(DTYPES)}")
+        said = (h.num_layers, h.num_kv_heads, h.head_dim)
+        if self.layout is not None and said != tuple(self.layout):
+            raise WireError("INVALID_ARGUMENT", "KV header says {} layers x {} KV heads x head_dim {}; this "
+                                                "service's model has {} x {} x {}".format(*said, *self.layout))
+        if h.start > h.end:
+            raise WireError("INVALID_ARGUMENT", f"KV header names tokens [{h.start}, {h.end}), a range that ends "
+                                                f"before it starts")
+        if self.max_end is not None and h.end > self.max_end:
+            raise WireError("INVALID_ARGUMENT", f"KV for tokens [{h.start}, {h.end}) of {c.request_id!r} does not "
+                                                f"fit the {self.max_end} tokens reserved for it")
         name = h.kv_wire or "native"
         if name not in self.accepts:
             raise WireError("INVALID_ARGUMENT", f"KV wire format {name!r} is not one this receiver declared "
@@ -184,7 +204,7 @@ class Assembler:
             raise WireError("INVALID_ARGUMENT", f"KV head split {bounds} does not cut the {h.num_kv_heads} KV heads "
                                                 f"into ranges from 0")
         self.ranges = list(zip(bounds, bounds[1:]))
-        self.header, self.next_pos = h, h.start
+        self.header, self.next_pos, self.request_id = h, h.start, c.request_id
 
     def _heads(self, c: cluster_pb2.KVChunk) -> tuple[int, int]:
         heads = (c.head_start, c.head_end) if c.head_end else (0, self.header.num_kv_heads)
@@ -220,6 +240,9 @@ class Assembler:
             raise WireError("DATA_LOSS", f"KV chunk {c.seq} arrived where chunk {self.next_seq} was expected")
         if c.seq == 0:
             self._open(c)
+        elif c.request_id != self.request_id:
+            raise WireError("INVALID_ARGUMENT", f"KV chunk {c.seq} names request {c.request_id!r} in a stream "
+                                                f"for {self.request_id!r}")
         h = self.header
         if self.block and (c.start, c.num_tokens) != (self.block[0].start, self.block[0].num_tokens):
             b = self.block[0]

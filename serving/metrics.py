@@ -8,13 +8,16 @@ pddjax_engine_steps_total, pddjax_engine_queue_depth, pddjax_jit_compiles / pddj
 (step and KV copy variants built / held) and pddjax_jit_compiles_after_ready (built since the
 service reported SERVING: 0 when its precompiled shape set covers the load). The router adds its own (TTFT, ITL,
 admission, pipelines, handoffs, failures, WAN bytes: `router_metrics.py`) on `registry`.
-The endpoint listens on an ephemeral port of the service's host; its URL goes in the ready file
+The endpoint (serving/metrics_http.py: timeouts, bounded connections) listens on an ephemeral port
+of the service's host; its URL goes in the ready file
 and in `pddjax up`'s state file.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from serving.metrics_http import MetricsEndpoint
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -38,19 +41,26 @@ class ServiceMetrics:
         self.compiles = Gauge("pddjax_jit_compiles", "jitted step / KV copy variants built in this process",
                               registry=r)
         self.compiles_after_ready = Gauge("pddjax_jit_compiles_after_ready",
-                                          "jitted step / KV copy variants built since the service reported SERVING",
-                                          registry=r)
+                                          "jitted step / KV copy variants built since the service reported SERVING "
+                                          "on the request path (the background build's apart)", registry=r)
+        self.background_compiles = Gauge("pddjax_jit_background_compiles",
+                                         "step shapes built in the background since SERVING (ready = \"cover\")",
+                                         registry=r)
+        self.background_pending = Gauge("pddjax_jit_background_pending",
+                                        "step shapes of the stated set the background build has still to build",
+                                        registry=r)
         self.executables = Gauge("pddjax_jit_executables", "jitted step / KV copy variants held in memory now",
                                  registry=r)
         self._faults_counted = 0
         self.engine_faults = Counter("pddjax_engine_faults", "engine steps that raised (their sequences failed)",
                                      registry=r)
         self.url: str | None = None
+        self.endpoint: MetricsEndpoint | None = None
 
     def serve_http(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Start the /metrics endpoint in a thread; returns its URL."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.url = f"http://{host}:{server.server_port}/metrics"
+        """Start the /metrics endpoint (its own thread, bounded: serving/metrics_http.py); returns its URL."""
+        self.endpoint = MetricsEndpoint(self.registry, host, port)
+        self.url = f"http://{host}:{self.endpoint.port}/metrics"
         return self.url
 
     def engine_snapshot(self, snap: dict) -> None:
@@ -63,6 +73,8 @@ class ServiceMetrics:
         self.queue_depth.set(snap["queue_depth"])
         self.compiles.set(snap.get("compiles", 0))
         self.compiles_after_ready.set(snap.get("compiles_after_ready", 0))
+        self.background_compiles.set(snap.get("background_compiles", 0))
+        self.background_pending.set(snap.get("background_pending", 0))
         self.executables.set(snap.get("executables", 0))
         faults = snap.get("faults", 0) - self._faults_counted
         if faults > 0:

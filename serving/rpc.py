@@ -1,9 +1,14 @@
 """gRPC plumbing shared by every service: channel/server options (explicit message-size limits,
 keepalive that long idle streams survive on both ends), TLS ports and channels (security.py),
-health and (opt-in) reflection, and the one place where protobuf messages become engine-side
-values (`spec_from_pb`, `sampling_from_pb`)."""
+channels to peers named by a request (`address_problem`, the bounded `PeerChannels`), health and
+(opt-in) reflection, and the one place where protobuf messages become engine-side values
+(`spec_from_pb`, `sampling_from_pb`)."""
 
 from __future__ import annotations
+
+import collections
+import contextlib
+import re
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -60,6 +65,53 @@ def sync_channel(address: str, credentials: grpc.ChannelCredentials | None = Non
     return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
 
 
+_PEER_ADDRESS = re.compile(r"(?:dns:///)?(?:[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
+
+
+def address_problem(address: str) -> str | None:
+    """One sentence on why `address` is not a peer's HOST:PORT ('[v6]:port' and 'dns:///host:port'
+    too), or None."""
+    m = _PEER_ADDRESS.fullmatch(address)
+    if m is None or not 0 < int(m.group(1)) < 65536:
+        return f"{address[:80]!r} is not a HOST:PORT address"
+    return None
+
+
+class PeerChannels:
+    """Channels to peers by address (`channel(address, options)`), at most `limit` kept: once a
+    call ends, the least recently used channels with no call in flight are closed down to the
+    limit (a channel in use is never closed under its calls). `use(address)` (an async context
+    manager) lends the channel for the calls made inside it."""
+
+    def __init__(self, limit: int, options=None):
+        self.limit, self.options = limit, options
+        self._open: collections.OrderedDict[str, grpc.aio.Channel] = collections.OrderedDict()  # oldest use first
+        self._busy: collections.Counter[str] = collections.Counter()  # address -> calls in flight
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._open
+
+    @contextlib.asynccontextmanager
+    async def use(self, address: str):
+        ch = self._open.pop(address, None) or channel(address, self.options)
+        self._open[address] = ch  # the most recently used now
+        self._busy[address] += 1
+        try:
+            yield ch
+        finally:
+            self._busy[address] -= 1
+            if self._busy[address] <= 0:
+                del self._busy[address]
+            while len(self._open) > self.limit:  # looked up afresh after each close: others run meanwhile
+                idle = next((a for a in self._open if a not in self._busy), None)
+                if idle is None:
+                    break
+                await self._open.pop(idle).close()
+
+
 def add_port(server, address: str, role: str) -> int:
     """Listen on `address` with `role`'s TLS identity when configured (mutual TLS on internal
     ports, server-side on the router's); returns the port."""
@@ -88,7 +140,11 @@ async def set_serving(hs, service_names: list[str], serving: bool = True) -> Non
 
 
 def sampling_from_pb(s: common_pb2.Sampling) -> SamplingParams:
-    return SamplingParams(float(s.temperature), int(s.top_k), float(s.top_p) if s.top_p > 0 else 1.0, int(s.seed))
+    """The wire's sampling as sent, except top_p = 0: proto3 cannot tell it from unset, so it reads
+    as 1.0 (off). Any other out-of-range value (a negative or NaN top_p among them) passes through
+    for `validate_spec` to refuse."""
+    top_p = 1.0 if s.top_p == 0 else float(s.top_p)
+    return SamplingParams(float(s.temperature), int(s.top_k), top_p, int(s.seed))
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.Sampling:

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import functools
 import hmac
-import ipaddress
 import os
 
 import grpc
 
 from pddjax import env
+from pddjax.addresses import is_loopback
 from pddjax.errors import UserError
 
 TLS_DIR_ENV = env.TLS_DIR.name
@@ -119,23 +119,6 @@ def client_credentials(ca: bytes | str | None = None) -> grpc.ChannelCredentials
         ca = path
     pem = ca if isinstance(ca, bytes) else _read(ca, "the CA certificate")
     return grpc.ssl_channel_credentials(root_certificates=pem)
-
-
-def host_of(address: str) -> str:
-    """'host:port' / '[v6]:port' / 'dns:///host:port' -> host."""
-    a = address.split("///", 1)[-1]
-    if a.startswith("["):
-        return a[1:a.find("]")]
-    return a.rsplit(":", 1)[0] if a.count(":") == 1 else a
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name other than localhost, or '' / '0.0.0.0' (every interface)
 
 
 def listen_problem(role: str, host: str, tls: bool, insecure: bool, token: bool) -> str | None:

@@ -120,6 +120,19 @@ def bucket_set(config, model_config) -> list[Shape]:
     return sorted(set(decode + chunk + mixed), key=lambda s: step_cost(s, config.page_size))
 
 
+def covering_set(members: list[Shape]) -> list[Shape]:
+    """The few members of a stated set that every step the scheduler forms can be packed into,
+    cheapest first: at the widest page table, decode steps of 1, 2, 4 .. Bmax rows and the
+    shortest and longest single-row chunk. Any row fits one of them alone (`fit_row`: the widest
+    table holds any position), so a service can serve with these built and the rest still
+    compiling (precompile.BackgroundBuild): steps pad further until their own members arrive,
+    and a multi-token row that fits beside no decode row takes the next step (`pack_rows`)."""
+    w_max = max(mp for _, _, mp, _ in members)
+    decode = [m for m in members if m[3] == 1 and m[2] == w_max]
+    chunks = sorted(m for m in members if m[1] == 1 and m[3] > 1 and m[2] == w_max)
+    return [m for m in members if m in decode or m in chunks[:1] + chunks[-1:]]
+
+
 def step_cost(shape: Shape, page_size: int) -> int:
     """A rough relative cost, to pick the cheapest covering member: the T matmuls, the
     [B, Q] x [B, MP*S] attention and the B x MP page gather (weights from measured steps)."""

@@ -31,6 +31,10 @@ class EngineConfig:
     # Devices of one engine (tensor parallelism over a "model" mesh axis: pddjax/engines/mesh.py);
     # a model admits N when `degree_problem` says nothing. On CPU N fake devices are made (tests).
     tensor_parallel: int = 1
+    # What a service builds before it reports SERVING (pddjax/engines/precompile.py): "cover",
+    # a covering few step shapes, the rest compiled in the background while it serves; "all",
+    # the whole stated set first (minutes on a cold cache for the real model).
+    ready: str = "cover"
 
     def check(self) -> str | None:
         """One sentence on what is wrong with these values, or None."""
@@ -46,6 +50,8 @@ class EngineConfig:
             return f"num_pages must be at least 2 (page 0 is scratch), got {self.num_pages}"
         if not isinstance(self.prefix_cache, bool):
             return f"prefix_cache must be true or false, got {self.prefix_cache!r}"
+        if self.ready not in ("all", "cover"):
+            return f"ready must be \"all\" or \"cover\", got {self.ready!r}"
         if not isinstance(self.pad_limit, int | float) or self.pad_limit < 0:
             return f"pad_limit must be a number >= 0, got {self.pad_limit!r}"
         return None

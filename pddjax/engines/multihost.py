@@ -14,20 +14,21 @@ weights and their shards of the KV pool, and replay the leader's device calls:
   export_kv()  pages, start, end        --export->  the same gather (a collective across hosts)
   close()                               --stop-->   return; both call jax.distributed.shutdown
 
-Both sides build and precompile their engine the same way (the same programs in the same order)
-before the log starts. The log is a host channel: one TCP connection from each follower to the
-leader, whose port (any free one; `PDDJAX_MULTIHOST_PORT` fixes it) and a 128-bit token reach
-every process by one `broadcast_one_to_all` at start. An op is one frame
-(engines/multihost_frames.py): a JSON header (op, statics, each array's dtype and shape), then
-the raw bytes. Not `broadcast_one_to_all` per op: that is a device collective and a compiled
-program per array shape, the follower needs the op and shapes before it can receive anything,
-and an idle follower would wait inside a collective (gloo times out); the socket's end of file
-also tells a follower that the leader died. A step sends a few KB; an import carries its whole
-KV run (each follower keeps its shards).
+Both sides build and precompile their engine the same way before the log starts. The log is a
+host channel: one TCP connection from each follower to the leader, whose port (any free one;
+`PDDJAX_MULTIHOST_PORT` fixes it) and a 128-bit key reach every process by one
+`broadcast_one_to_all` at start. Each connection is mutual TLS with the role's certificates when
+the service has a TLS directory, and passes a challenge on the key both ways (plaintext off
+loopback only with `insecure`; engines/multihost_channel.py). An op is one frame
+(engines/multihost_frames.py: a JSON header, then the arrays' bytes) of at most `frame_limit`
+bytes, checked on both ends. Not `broadcast_one_to_all` per op: that is a collective and a
+compiled program per array shape, and an idle follower would wait inside it (gloo times out).
+A step sends a few KB; an import carries its whole KV run (each follower keeps its shards).
 
-Failures: the leader gone (its socket closes without a stop) -> `follow` returns "lost" after one
-log line and the process exits 3; a follower gone -> the leader's watcher logs one line and exits
-3 (no step can run without its devices; a LeaderWorkerSet then restarts the whole group). A host
+Failures: the leader gone (its socket closes without a stop) or a bad frame -> `follow` returns
+"lost" after one log line and the process exits 3; a follower gone, or one that takes no 1 MiB of
+an op for `PDDJAX_MULTIHOST_WRITE_SECONDS` (instead of wedging the engine while health says
+SERVING) -> the leader logs one line and exits 3 (a LeaderWorkerSet restarts the group). A host
 that vanishes without closing its sockets is caught by JAX's coordination service, which aborts
 every process of the instance after `PDDJAX_HEARTBEAT_SECONDS` (default 30) without heartbeats.
 """
@@ -38,18 +39,21 @@ import atexit
 import dataclasses
 import os
 import secrets
+import select
 import socket
 import sys
 import threading
-import time
 
 import jax
 import numpy as np
 
 from pddjax import env
-from pddjax.engines.multihost_frames import LeaderGone, recv, send
+from pddjax.addresses import host_of, is_loopback
+from pddjax.engines.multihost_channel import ChannelTLS, accept_followers, channel_problem, dial_leader, share_key
+from pddjax.engines.multihost_frames import FrameError, LeaderGone, frame_limit, recv, send
 from pddjax.engines.paged_engine import PagedEngine
 from pddjax.engines.step import run_step
+from pddjax.errors import UserError
 from pddjax.kv.canonical import KVImportError, KVRun, as_pieces, export_run, import_run
 from pddjax.model.paged import PackedBatch
 
@@ -74,11 +78,19 @@ def initialize(coordinator: str | None, num_processes: int, process_id: int) -> 
     return True
 
 
-def join(coordinator: str | None, num_processes: int, process_id: int) -> Leader | Follower | None:
-    """`initialize`, then the op channel: process 0's Leader, another's Follower; None for one process."""
+def join(coordinator: str | None, num_processes: int, process_id: int, tls: ChannelTLS | None = None,
+         insecure: bool = False) -> Leader | Follower | None:
+    """`initialize`, then the op channel (mutual TLS with `tls`; without it plaintext, refused off
+    loopback unless `insecure`: UserError): process 0's Leader, another's Follower; None for one process."""
+    if num_processes > 1:
+        problem = channel_problem(host_of(coordinator or ""), tls is not None, insecure)
+        if problem:
+            raise UserError(problem)
     if not initialize(coordinator, num_processes, process_id):
         return None
-    return Leader.open(coordinator, num_processes) if process_id == 0 else Follower.connect(coordinator, process_id)
+    if process_id == 0:
+        return Leader.open(coordinator, num_processes, tls=tls)
+    return Follower.connect(coordinator, process_id, tls=tls)
 
 
 def shutdown() -> None:
@@ -88,88 +100,78 @@ def shutdown() -> None:
 
 
 # ---- start-up ------------------------------------------------------------------------
-def _handshake(port: int = 0, token: bytes = bytes(16)) -> tuple[int, bytes]:
-    """Every process: the leader's (port, token), broadcast from process 0 (a collective)."""
-    from jax.experimental import multihost_utils
-
-    words = np.frombuffer(token, np.int32)
-    got = np.asarray(multihost_utils.broadcast_one_to_all(np.concatenate([[port], words]).astype(np.int32)))
-    return int(got[0]), got[1:].astype(np.int32).tobytes()
-
-
-def _host(coordinator: str) -> str:
-    return coordinator.rsplit(":", 1)[0].strip("[]")
-
-
 # ---- the leader's end ------------------------------------------------------------------
 class Leader:
     """The device op log: LeaderEngine calls it right before each device call; every follower
     receives the call and makes it too. Engine-thread only (one writer)."""
 
-    def __init__(self, socks: list[socket.socket], on_lost=None):
-        self._socks, self._closed = socks, False
+    def __init__(self, socks: list[socket.socket], on_lost=None, write_seconds: float | None = None):
+        self._socks, self._closed, self._lost = socks, False, False
         self._lock = threading.Lock()  # one frame at a time (the engine thread; close from another)
+        self._fail_lock = threading.Lock()
         self._on_lost = on_lost or (lambda: os._exit(EXIT_LOST))
+        self.write_seconds = write_seconds or env.MULTIHOST_WRITE_SECONDS.get()
+        self.max_frame: int | None = None  # LeaderEngine sets its engine's `frame_limit`
         self.ops_sent = 0
         atexit.register(self.close)  # a leader that exits, however, stops its followers (before JAX's own exit)
         for i, s in enumerate(socks):
+            s.settimeout(self.write_seconds)  # each CHUNK of a frame (multihost_frames.send)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._watch, args=(s, i + 1), name=f"follower-{i + 1}", daemon=True).start()
 
     @classmethod
-    def open(cls, coordinator: str, num_processes: int, timeout: float = CONNECT_SECONDS, on_lost=None) -> Leader:
-        """Listen, hand the port and a token to every process, accept each follower once."""
-        host = _host(coordinator)
-        loopback = host in ("localhost", "127.0.0.1", "::1")
+    def open(cls, coordinator: str, num_processes: int, timeout: float = CONNECT_SECONDS, on_lost=None,
+             tls: ChannelTLS | None = None) -> Leader:
+        """Listen, hand the port and the key to every process, accept each follower once."""
+        loopback = is_loopback(host_of(coordinator))
         listener = socket.create_server(("127.0.0.1" if loopback else "", env.MULTIHOST_PORT.get() or 0))
-        listener.settimeout(timeout)
-        token = secrets.token_bytes(16)
-        _handshake(listener.getsockname()[1], token)
-        socks: dict[int, socket.socket] = {}
-        deadline = time.monotonic() + timeout
+        key = secrets.token_bytes(16)
         try:
-            while len(socks) < num_processes - 1:
-                listener.settimeout(max(0.1, deadline - time.monotonic()))
-                try:
-                    conn, _ = listener.accept()
-                except TimeoutError:
-                    raise TimeoutError(f"{num_processes - 1 - len(socks)} follower(s) did not connect to the leader "
-                                       f"within {timeout:.0f} s") from None
-                conn.settimeout(10.0)
-                try:
-                    op, meta, _ = recv(conn, limit=4096)
-                except (LeaderGone, OSError, ValueError):
-                    conn.close()
-                    continue
-                pid = meta.get("process_id")
-                if (op != "hello" or meta.get("token") != token.hex() or not isinstance(pid, int)
-                        or not 0 < pid < num_processes or pid in socks):
-                    conn.close()  # not one of ours: keep waiting for the real followers
-                    continue
-                conn.settimeout(None)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                socks[pid] = conn
+            share_key(listener.getsockname()[1], key)
+            socks = accept_followers(listener, num_processes, key, tls, timeout)
         finally:
             listener.close()
+        how = "over mutual TLS" if tls else "in plaintext (loopback or insecure), each past the key's challenge"
+        print(f"pddjax multi-host: {len(socks)} follower(s) joined the op channel {how}", file=sys.stderr, flush=True)
         return cls([socks[p] for p in sorted(socks)], on_lost)
 
+    def _fail(self, line: str) -> None:
+        """One line, then the instance ends (`on_lost`), once however many threads see it."""
+        with self._fail_lock:
+            if self._lost:
+                return
+            self._lost = True
+        print(line, file=sys.stderr, flush=True)
+        self._on_lost()
+
     def _watch(self, sock: socket.socket, pid: int) -> None:
-        """Followers never write after hello: end of file means the follower is gone."""
-        try:
-            gone = sock.recv(1) == b""
-        except OSError:
-            gone = True
-        if gone and not self._closed:
-            print(f"pddjax multi-host: follower process {pid} is gone; this instance cannot step without its devices, "
-                  f"exiting so that the group restarts", file=sys.stderr, flush=True)
-            self._on_lost()
+        """Followers never write after hello: anything readable (end of file, above all) means the
+        follower is gone. Polled, not read: the engine thread owns the socket (and its TLS)."""
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+        poll.poll()
+        if not self._closed:
+            self._fail(f"pddjax multi-host: follower process {pid} is gone; this instance cannot step without its "
+                       f"devices, exiting so that the group restarts")
 
     def _broadcast(self, op: str, meta: dict, arrays: list) -> None:
         host = [np.asarray(a) for a in arrays]
         with self._lock:
             if self._closed:
                 raise RuntimeError("this multi-host instance's followers were stopped: no more device calls")
-            for s in self._socks:
-                send(s, op, meta, host)
+            for pid, s in enumerate(self._socks, 1):
+                try:
+                    send(s, op, meta, host, self.max_frame)  # FrameError (too large) before a byte to anyone
+                except FrameError:
+                    raise
+                except OSError as e:  # a partial frame: this follower is out of step for good
+                    self._closed = True
+                    why = (f"took no bytes of a {op} for {self.write_seconds:g} s" if isinstance(e, TimeoutError)
+                           else f"failed ({e})")
+                    line = (f"pddjax multi-host: the channel to follower process {pid} {why}; this instance cannot "
+                            f"step without it, exiting so that the group restarts")
+                    self._fail(line)
+                    raise RuntimeError(line) from None
             self.ops_sent += 1
 
     def step(self, batch: PackedBatch, sampling: tuple, *, max_q_len: int, greedy: bool) -> None:
@@ -207,6 +209,7 @@ class LeaderEngine(PagedEngine):
     def __init__(self, cfg, weights, fingerprint: str, config=None, *, leader: Leader):
         super().__init__(cfg, weights, fingerprint, config)
         self.leader = leader
+        leader.max_frame = frame_limit(self)
 
     def _device_step(self, batch, sampling: tuple, *, max_q_len: int, greedy: bool):
         self.leader.step(batch, sampling, max_q_len=max_q_len, greedy=greedy)
@@ -225,20 +228,20 @@ class LeaderEngine(PagedEngine):
 class Follower:
     def __init__(self, sock: socket.socket):
         self._sock = sock
+        self.max_frame: int | None = None  # `follow` sets its engine's `frame_limit`
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.settimeout(None)  # an idle leader sends nothing for as long as it likes
 
     @classmethod
-    def connect(cls, coordinator: str, process_id: int, timeout: float = CONNECT_SECONDS) -> Follower:
-        port, token = _handshake()
-        sock = socket.create_connection((_host(coordinator), port), timeout=timeout)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        send(sock, "hello", {"process_id": process_id, "token": token.hex()}, [])
-        sock.settimeout(None)  # an idle leader sends nothing for as long as it likes
-        return cls(sock)
+    def connect(cls, coordinator: str, process_id: int, timeout: float = CONNECT_SECONDS,
+                tls: ChannelTLS | None = None) -> Follower:
+        port, key = share_key()
+        return cls(dial_leader(host_of(coordinator), port, process_id, key, tls, timeout))
 
     def receive(self) -> tuple[str, dict, list[np.ndarray]]:
-        """The next op (LeaderGone when the channel ends without a stop)."""
+        """The next op (LeaderGone when the channel ends without a stop; FrameError for a bad frame)."""
         try:
-            return recv(self._sock)
+            return recv(self._sock, self.max_frame)
         except OSError as e:
             raise LeaderGone(f"the leader's channel failed: {e}") from None
 
@@ -275,11 +278,17 @@ def follow(engine, channel: Follower, log=None) -> str:
     """Replay the leader's device calls on this process's engine (built and precompiled as the
     leader's) until the leader stops -> "stop", or "lost" (one log line) if its channel ends."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    if engine is not None:
+        channel.max_frame = frame_limit(engine)
     while True:
         try:
             op, meta, arrays = channel.receive()
         except LeaderGone as e:
             log(f"pddjax multi-host: {e} without a stop; the leader is gone, this follower exits")
+            return "lost"
+        except FrameError as e:
+            log(f"pddjax multi-host: the leader's channel sent a bad frame ({e}); this follower exits")
+            channel.close()
             return "lost"
         if op == "stop":
             return "stop"

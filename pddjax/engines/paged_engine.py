@@ -68,8 +68,10 @@ class PagedEngine(Engine):
         self.allocator = PageAllocator(config.num_pages)
         self.radix = RadixCache(config.page_size, self.allocator)
         self.seqs: dict[str, Sequence] = {}
-        self.shapes = buckets.bucket_set(config, cfg)  # every (T, B, MP, Q) a step may have
-        self._table_width = max(mp for _, _, mp, _ in self.shapes)  # a Sequence's page_array length
+        self.stated = buckets.bucket_set(config, cfg)  # every (T, B, MP, Q) a step may have
+        self.shapes = list(self.stated)  # the members a step may take now (those built: `precompile`)
+        self.background = None  # precompile's BackgroundBuild of the rest (ready "cover")
+        self._table_width = max(mp for _, _, mp, _ in self.stated)  # a Sequence's page_array length
         self.num_steps = 0
         self._multi_first = False  # the last step left a multi-token row out: those go first (buckets.step_order)
         self.last_shape: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # (T, B, MP, Q, rows) of the last step
@@ -223,12 +225,13 @@ class PagedEngine(Engine):
     def _sampling_arrays(rows, B):
         return step_batch.sampling_arrays(rows, B)
 
-    def precompile(self) -> tuple[int, float]:
-        """Build every step variant of the stated set and the KV copies' token buckets before
-        serving -> (variants, seconds). See `pddjax.engines.precompile`."""
+    def precompile(self, ready: str = "all", clock=None) -> tuple[int, float]:
+        """Build the stated set's step variants ("all"; "cover": a covering few, the rest in the
+        background) and the KV copies' token buckets before serving -> (variants, seconds). See
+        `pddjax.engines.precompile`."""
         from pddjax.engines.precompile import precompile
 
-        return precompile(self)
+        return precompile(self, ready, clock)
 
     # ---- KV out, release -------------------------------------------------------------
     def export_kv(self, seq_id: str, start: int = 0, end: int | None = None) -> KVRun:

@@ -1,21 +1,33 @@
-"""Build everything an engine's steps and KV copies will run, before it serves.
+"""Build what an engine's steps and KV copies will run, before it serves.
 
-`precompile(engine)` AOT-compiles (or loads from JAX's persistent compilation cache on disk)
-every member of the engine's stated step shape set (`buckets.bucket_set`) and runs the KV
-gather / scatter once per token bucket a sequence can need (their jitted variants), so that
-from the moment a service reports SERVING nothing compiles: `pddjax_jit_compiles_after_ready`
+`precompile(engine, ready)` AOT-compiles (or loads from JAX's persistent compilation cache on
+disk) members of the engine's stated step shape set (`buckets.bucket_set`, `engine.stated`)
+and runs the KV gather / scatter once per token bucket a sequence can need, so that from the
+moment a service reports SERVING no request waits on a compile: `pddjax_jit_compiles_after_ready`
 stays 0 (serving/engine/worker.py). The step executable LRU is raised to hold the whole set.
+
+- ready "all": every member, then serve (the engine's shapes are the stated set).
+- ready "cover": the covering set only (`buckets.covering_set`: a few members every step can
+  be packed into), then serve while `BackgroundBuild` compiles the rest in a thread at a lower
+  CPU priority, cheapest first (the small decode steps a light load runs), each member joining
+  `engine.shapes` once built; a step always takes the best member already built.
+Each member is built under its program's lock (engines/build_locks.py): services that run the
+same programs split the compiles between them and read each other's from the cache.
 A tensor-parallel engine builds the same set, each member its sharded executable
 (`engine.layout`), and the KV copies on its sharded pool.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import time
 
 import numpy as np
 
-from pddjax.engines import buckets, step
+from pddjax.engines import buckets, startup_clock, step
+from pddjax.engines.build_locks import BuildLocks, build_in_turn
 from pddjax.kv.allocator import NULL_PAGE
 from pddjax.kv.canonical import export_run, import_run
 from pddjax.model.paged import PackedBatch
@@ -23,6 +35,8 @@ from pddjax.sizes import pow2_at_least
 
 HEADROOM = 16  # LRU room beyond the set (test-only variants such as return_logits)
 KV_MIN_BUCKET = 16  # kv.canonical pads a run's tokens to 16, 32, 64, ...
+READY = ("all", "cover")
+BACKGROUND_NICE = 10  # the background builder's thread runs this much below the engine's
 
 
 def dummy_batch(shape: buckets.Shape) -> tuple[PackedBatch, tuple]:
@@ -45,21 +59,85 @@ def kv_buckets(engine) -> list[int]:
     return buckets.ladder(KV_MIN_BUCKET, pow2_at_least(longest, KV_MIN_BUCKET), 2)
 
 
-def precompile(engine) -> tuple[int, float]:
-    """-> (variants built or loaded, seconds). Leaves the pool's real pages untouched: the KV
-    copies read and write only page 0 (scratch)."""
+def build_shape(engine, shape: buckets.Shape) -> None:
+    """Compile (or load) the step variant of one member."""
+    batch, sampling = dummy_batch(shape)
+    step.build_step(engine.weights, engine.cfg, batch, engine.pool, sampling, max_q_len=shape[3],
+                    impl=engine.config.attention, layout=engine.layout)
+
+
+def precompile(engine, ready: str = "all", clock=None) -> tuple[int, float]:
+    """-> (variants built or loaded before serving, seconds). Leaves the pool's real pages
+    untouched: the KV copies read and write only page 0 (scratch). With ready "cover" the rest
+    of the set is `engine.background` (a started BackgroundBuild). `clock` (a StartupClock)
+    times the phases shapes_s and kv_copies_s."""
+    if ready not in READY:
+        raise ValueError(f"ready must be one of {', '.join(READY)}, got {ready!r}")
     t0 = time.perf_counter()
     execs = step.executables()
-    if execs.capacity < len(engine.shapes) + HEADROOM:
-        execs.resize(len(engine.shapes) + HEADROOM)
-    for shape in engine.shapes:
-        batch, sampling = dummy_batch(shape)
-        step.build_step(engine.weights, engine.cfg, batch, engine.pool, sampling, max_q_len=shape[3],
-                        impl=engine.config.attention, layout=engine.layout)
-    step.release_tracing_caches()  # (this drops jitted functions' caches too: the KV copies come after)
+    if execs.capacity < len(engine.stated) + HEADROOM:
+        execs.resize(len(engine.stated) + HEADROOM)
+    first = engine.stated if ready == "all" else buckets.covering_set(engine.stated)
+    with startup_clock.phase(clock, "shapes_s"):
+        build_in_turn(first, BuildLocks.for_engine(engine), lambda shape: build_shape(engine, shape))
+        engine.shapes = list(first)
+        step.release_tracing_caches()  # (this drops jitted functions' caches too: the KV copies come after)
     S = engine.config.page_size
-    for n in kv_buckets(engine):
-        pages = [NULL_PAGE] * (-(-n // S))
-        run = export_run(engine.pool, pages, 0, n, engine.fingerprint)  # k, v: [L, n, K, D] of page 0
-        engine.pool = engine.layout.put_pool(import_run(engine.pool, run, pages, engine.fingerprint))  # (host casts)
-    return len(engine.shapes) + 2 * len(kv_buckets(engine)), time.perf_counter() - t0
+    with startup_clock.phase(clock, "kv_copies_s"):
+        for n in kv_buckets(engine):
+            pages = [NULL_PAGE] * (-(-n // S))
+            run = export_run(engine.pool, pages, 0, n, engine.fingerprint)  # k, v: [L, n, K, D] of page 0
+            engine.pool = engine.layout.put_pool(import_run(engine.pool, run, pages, engine.fingerprint))
+    rest = [s for s in engine.stated if s not in first]
+    if rest:
+        engine.background = BackgroundBuild(engine, rest)
+    return len(first) + 2 * len(kv_buckets(engine)), time.perf_counter() - t0
+
+
+class BackgroundBuild:
+    """The members a service did not wait for, built one by one in a daemon thread (`shapes`
+    in order: the set's own, cheapest first). Each joins `engine.shapes` as a new sorted list
+    (one assignment: the engine thread reads a whole list at each step). `built` counts them
+    (the worker keeps them out of pddjax_jit_compiles_after_ready); `done` is set at the end,
+    `error` holds what stopped it (one line on stderr; the engine keeps serving with what it has)."""
+
+    def __init__(self, engine, shapes: list[buckets.Shape], log=None):
+        self.engine, self.pending = engine, list(shapes)
+        self.built, self.seconds, self.error = 0, 0.0, None
+        self.done = threading.Event()
+        self.on_progress = lambda: None  # after each member and at the end (a service refreshes its gauges)
+        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._thread = threading.Thread(target=self._run, name="background-build", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)  # this thread only (Linux)
+        except (OSError, AttributeError):
+            pass
+        t0 = time.perf_counter()
+        page_size = self.engine.config.page_size
+
+        def joined(shape) -> None:
+            self.engine.shapes = sorted([*self.engine.shapes, shape], key=lambda s: buckets.step_cost(s, page_size))
+            self.built += 1
+            self.on_progress()
+
+        try:
+            locks = BuildLocks.for_engine(self.engine)
+            build_in_turn(self.pending, locks, lambda shape: build_shape(self.engine, shape), joined)
+        except Exception as e:  # noqa: BLE001 - a failed build leaves the engine on the members it has
+            self.error = f"{type(e).__name__}: {e}"
+            self._log(f"pddjax: background build stopped after {self.built} of {len(self.pending)} "
+                      f"step shapes: {self.error}")
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self.done.set()
+            self.on_progress()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
+
+    def state(self) -> dict:
+        return {"background_built": self.built, "background_total": len(self.pending),
+                "background_done": self.done.is_set(), "background_s": round(self.seconds, 3)}

@@ -12,7 +12,9 @@ wire and decoded on import. Plain numpy (no jax: the router sizes transfers with
 Pages are counted from position 0 in `page_tokens` tokens (the sender's page size, named in the
 chunk header), so a piece that starts or ends mid-page has a partial page of its own; the
 scales of a piece are [2, L, G, K] float32 (K then V), G = the pages its tokens touch.
-Every decode checks the byte counts first: a malformed payload is a CodecError, one sentence.
+Every decode checks the byte counts first (zstd: a frame is never expanded past the piece's
+size) and the values last (NaN or inf, as decoded: refused): a malformed payload is a
+CodecError, one sentence.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import ml_dtypes
 import numpy as np
 import zstandard
 
+from pddjax.sizes import pow2_at_least
+
 BASES = ("native", "bf16", "int8", "fp8")
 FORMATS = (*BASES, *(f"{b}+zstd" for b in BASES))  # every name a receiver of this build decodes
 SOURCE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -30,6 +34,9 @@ SOURCE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes
 _QUANT = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}  # dtype, max
 _SCALE = np.dtype("<f4")
 ZSTD_LEVEL = 1  # SmolLM2's KV, 1,000 tokens: level 3 shrinks int8 0.1% more than 1 and takes 1.4x as long
+# the window a frame may ask of the decoder: its piece's size, at least 8 MiB (what zstd's levels up to
+# 19 use on a frame that names no size), at most zstd's default cap (128 MiB)
+_MIN_WINDOW, _MAX_WINDOW = 1 << 23, 1 << 27
 _E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)  # [256] code -> value
 
 
@@ -139,17 +146,39 @@ def encode(k: np.ndarray, v: np.ndarray, start: int, fmt: str, page_tokens: int 
     return Encoded(kb, vb, sb)
 
 
-def _unzstd(data: bytes, size: int, what: str) -> bytes:
+def _unzstd(data: bytes, size: int, what: str) -> memoryview:
+    """A zstd frame -> exactly `size` bytes. The frame's declared size is checked first (a frame
+    that names another size is refused unexpanded); the output is then read into a buffer of
+    size + 1 bytes, the decoder's window held to the larger of `size` and 8 MiB, so no frame (one
+    that names no size, or lies about it) makes the decompressor produce more than `size` + 1."""
     try:
         declared = zstandard.get_frame_parameters(data).content_size
     except zstandard.ZstdError:
         raise CodecError(f"the KV {what} bytes are not a zstd frame") from None
-    if declared != size:  # checked before decompressing: no payload expands past what it should hold
+    if declared not in (size, zstandard.CONTENTSIZE_UNKNOWN):
         raise CodecError(f"the KV {what} zstd frame holds {declared} bytes, expected {size}")
+    buf = bytearray(size + 1)
+    got = 0
     try:
-        return zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+        window = min(max(pow2_at_least(size), _MIN_WINDOW), _MAX_WINDOW)
+        with zstandard.ZstdDecompressor(max_window_size=window).stream_reader(data) as reader:
+            view = memoryview(buf)
+            while got <= size:
+                n = reader.readinto(view[got:])
+                if not n:
+                    break
+                got += n
     except zstandard.ZstdError as e:
         raise CodecError(f"the KV {what} zstd frame does not decompress: {e}") from None
+    if got != size:
+        raise CodecError(f"the KV {what} zstd frame holds {'more than' if got > size else 'only'} "
+                         f"{min(got, size)} bytes, expected {size}")
+    return memoryview(buf)[:size]
+
+
+def _finite(x: np.ndarray) -> bool:
+    """Every value finite (checked a layer at a time: no temporary the size of the piece)."""
+    return all(np.isfinite(layer).all() for layer in x)
 
 
 def decode(enc: Encoded, fmt: str, source: str, shape: tuple[int, int, int, int], start: int,
@@ -177,6 +206,11 @@ def decode(enc: Encoded, fmt: str, source: str, shape: tuple[int, int, int, int]
             raise CodecError(f"a {fmt} KV piece carries a scale that is negative or not finite")
         if f.base == "fp8":  # a table lookup per code (ml_dtypes' cast is ~10x slower)
             k, v = _E4M3[k.view(np.uint8)], _E4M3[v.view(np.uint8)]
-        k = k.astype(np.float32, copy=False) * s[0][:, g, :, None]  # [L, T, K, D]
-        v = v.astype(np.float32, copy=False) * s[1][:, g, :, None]
-    return k.astype(out, copy=False), v.astype(out, copy=False)
+        with np.errstate(over="ignore"):  # an overflow to inf is refused below
+            k = k.astype(np.float32, copy=False) * s[0][:, g, :, None]  # [L, T, K, D]
+            v = v.astype(np.float32, copy=False) * s[1][:, g, :, None]
+    with np.errstate(over="ignore"):
+        k, v = k.astype(out, copy=False), v.astype(out, copy=False)
+    if not (_finite(k) and _finite(v)):  # NaN / inf would poison every cache entry built on them
+        raise CodecError(f"a {fmt} KV piece carries a value that is not finite (as {out.name})")
+    return k, v

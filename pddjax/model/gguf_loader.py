@@ -6,6 +6,7 @@ supports). For `llama`, GGUF's converter permutes Q/K rows so llama.cpp can appl
 adjacent pairs; we undo it so RoPE uses the HF "rotate_half" convention and our KV matches HF's
 layout. qwen2 / qwen3 are converted unpermuted (llama.cpp runs them with NeoX-style RoPE, which
 is rotate_half). qwen2 adds blk.N.attn_{q,k,v}.bias, qwen3 blk.N.attn_{q,k}_norm.weight.
+Every tensor the config implies is checked (present, its shape) before any is dequantized.
 """
 
 from __future__ import annotations
@@ -36,11 +37,40 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> its shape in numpy order ([ne1, ne0]) under `cfg`."""
+    E, H, K, D, F, V = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
+    out = {"token_embd.weight": (V, E), "output_norm.weight": (E,)}
+    if not cfg.tie_embeddings:
+        out["output.weight"] = (V, E)
+    per_layer = {"attn_norm.weight": (E,), "attn_q.weight": (H * D, E), "attn_k.weight": (K * D, E),
+                 "attn_v.weight": (K * D, E), "attn_output.weight": (E, H * D), "ffn_norm.weight": (E,),
+                 "ffn_gate.weight": (F, E), "ffn_up.weight": (F, E), "ffn_down.weight": (E, F)}
+    if cfg.qkv_bias:
+        per_layer.update({"attn_q.bias": (H * D,), "attn_k.bias": (K * D,), "attn_v.bias": (K * D,)})
+    if cfg.qk_norm:
+        per_layer.update({"attn_q_norm.weight": (D,), "attn_k_norm.weight": (D,)})
+    for i in range(cfg.num_layers):
+        out.update({f"blk.{i}.{k}": v for k, v in per_layer.items()})
+    return out
+
+
+def check_tensors(tensors: dict, cfg: ModelConfig) -> None:
+    """Every tensor the config implies is present with its shape, or GGUFError."""
+    for name, shape in expected_shapes(cfg).items():
+        if name not in tensors:
+            raise GGUFError(f"GGUF is missing tensor {name}")
+        got = tuple(int(x) for x in reversed(tensors[name].shape))
+        if got != shape:
+            raise GGUFError(f"GGUF tensor {name} has shape {list(got)}, its metadata implies {list(shape)}")
+
+
 def load_weights(reader, cfg: ModelConfig) -> Weights:
     """Dequantize every tensor into a float32 `Weights` (layers stacked)."""
     permuted = field(reader, "general.architecture") == "llama"
     unpermute = unpermute_qk if permuted else (lambda w, n: w)
     tensors = {t.name: t for t in reader.tensors}
+    check_tensors(tensors, cfg)
     E, H, K, D, L = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
 
     def get(name):

@@ -3,7 +3,10 @@
 Weights are `model.safetensors`, or the shards that `model.safetensors.index.json` names. A
 safetensors file is an 8-byte little-endian header length, a JSON header (tensor name -> dtype,
 shape, data offsets) and the data; the header is read here (cheap, no tensor library) so a
-missing tensor or a truncated file is found before any data is read.
+missing tensor or a truncated file is found before any data is read. A checkpoint is untrusted:
+shard names may not lead outside its directory (`hf_config.checkpoint_path`), and every header
+entry's shape x dtype must equal its byte range, the ranges tiling the data exactly as the
+safetensors format requires, so no tensor claims more bytes than the file holds.
 
 The fingerprint hashes what the weights *are*, not how they are stored: a version tag, the model
 config (as `ModelConfig`, so a comment in config.json does not matter but head_dim or rope_theta
@@ -17,32 +20,40 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 
 from pddjax.model.config import ModelConfig
 from pddjax.model.fingerprint import remembered, sha256_range
-from pddjax.model.hf_config import CheckpointError, read_json
+from pddjax.model.hf_config import CheckpointError, checkpoint_path, read_json
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 FINGERPRINT_VERSION = "pddjax-hf-1"  # bump when the conversion of tensors into Weights changes
 MAX_HEADER = 100 << 20
+# bytes per element of the safetensors dtypes
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+               "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 
 
 def weight_files(path: str) -> list[str]:
     """Absolute paths of the checkpoint's safetensors files, or CheckpointError."""
-    index = os.path.join(path, INDEX)
+    index = checkpoint_path(path, INDEX)
     if os.path.isfile(index):
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index} has no weight_map")
-        files = [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+        bad = [k for k, v in weight_map.items() if not k or not isinstance(v, str) or not v]
+        if bad:
+            raise CheckpointError(f"the weight_map of {index} maps tensor {bad[0]!r} to {weight_map[bad[0]]!r}, "
+                                  "not a shard file name")
+        files = [checkpoint_path(path, f) for f in sorted(set(weight_map.values()))]
         for f in files:
             if not os.path.isfile(f):
                 raise CheckpointError(f"shard {os.path.basename(f)} named by {index} is missing")
         return files
-    single = os.path.join(path, SINGLE)
+    single = checkpoint_path(path, SINGLE)
     if os.path.isfile(single):
         return [single]
     raise CheckpointError(f"{path} has no {SINGLE} or {INDEX} (only safetensors weights are supported)")
@@ -65,16 +76,35 @@ def read_header(path: str) -> tuple[dict, int]:
     header.pop("__metadata__", None)
     data_size = size - 8 - n
     for name, t in header.items():
-        try:
-            begin, end = t["data_offsets"]
-            ok = isinstance(t["dtype"], str) and all(isinstance(d, int) for d in t["shape"])
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise CheckpointError(f"{path} is corrupt: the header entry of tensor {name} is malformed")
-        if not 0 <= begin <= end <= data_size:
-            raise CheckpointError(f"{path} is truncated or corrupt: tensor {name} lies past the end of the file")
+        _check_entry(path, name, t, data_size)
+    covered = 0  # the format: ranges in offset order, each starting where the last ended, ending at the file's end
+    for begin, end in sorted(t["data_offsets"] for t in header.values()):
+        if begin != covered:
+            raise CheckpointError(f"{path} is corrupt: its tensors' byte ranges overlap or leave gaps")
+        covered = end
+    if covered != data_size:
+        raise CheckpointError(f"{path} is corrupt: {data_size - covered} bytes after its last tensor")
     return header, 8 + n
+
+
+def _check_entry(path: str, name: str, t, data_size: int) -> None:
+    """One header entry: a known dtype, a shape of non-negative ints, in-file offsets, shape x dtype
+    bytes equal to the range."""
+    def integers(v):
+        return isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v)
+
+    if (not isinstance(t, dict) or not isinstance(t.get("dtype"), str) or not integers(t.get("shape"))
+            or not integers(t.get("data_offsets")) or len(t["data_offsets"]) != 2):
+        raise CheckpointError(f"{path} is corrupt: the header entry of tensor {name} is malformed")
+    if t["dtype"] not in DTYPE_BYTES:
+        raise CheckpointError(f"{path} is corrupt: tensor {name} has unknown dtype {t['dtype']!r}")
+    begin, end = t["data_offsets"]
+    if not begin <= end <= data_size:
+        raise CheckpointError(f"{path} is truncated or corrupt: tensor {name} lies past the end of the file")
+    nbytes = math.prod(t["shape"]) * DTYPE_BYTES[t["dtype"]]
+    if nbytes != end - begin:
+        raise CheckpointError(f"{path} is corrupt: tensor {name} of shape {t['shape']} and dtype {t['dtype']} "
+                              f"needs {nbytes} bytes, its header gives it {end - begin}")
 
 
 def tensor_index(files: list[str]) -> dict[str, tuple[str, str, tuple[int, ...]]]:
@@ -82,6 +112,9 @@ def tensor_index(files: list[str]) -> dict[str, tuple[str, str, tuple[int, ...]]
     out = {}
     for path in files:
         for name, t in read_header(path)[0].items():
+            if name in out:
+                raise CheckpointError(f"tensor {name} is in both {os.path.basename(out[name][0])} and "
+                                      f"{os.path.basename(path)}")
             out[name] = (path, t["dtype"], tuple(t["shape"]))
     return out
 

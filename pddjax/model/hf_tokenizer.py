@@ -14,7 +14,7 @@ import os
 
 from tokenizers import Tokenizer
 
-from pddjax.model.hf_config import CheckpointError, read_json
+from pddjax.model.hf_config import CheckpointError, checkpoint_path, read_json
 from pddjax.model.tokenizer import TextTokenizer
 
 # tokenizer_config.json keys passed to the chat template as variables, as transformers does
@@ -29,7 +29,7 @@ def _token_text(value) -> str | None:
 
 
 def _chat_template(path: str, config: dict) -> str | None:
-    jinja = os.path.join(path, "chat_template.jinja")
+    jinja = checkpoint_path(path, "chat_template.jinja")
     if os.path.isfile(jinja):
         with open(jinja, encoding="utf-8") as f:
             return f.read()
@@ -44,14 +44,14 @@ class HFTokenizer(TextTokenizer):
     @classmethod
     def from_dir(cls, path: str) -> HFTokenizer | None:
         """The directory's tokenizer, or None when it has no tokenizer.json (prompts are then token ids)."""
-        tok_path = os.path.join(path, "tokenizer.json")
+        tok_path = checkpoint_path(path, "tokenizer.json")
         if not os.path.isfile(tok_path):
             return None
         try:
             tok = Tokenizer.from_file(tok_path)
         except Exception as e:  # the tokenizers library raises its own exception type
             raise CheckpointError(f"cannot read {tok_path} as a tokenizer: {e}") from None
-        config = read_json(os.path.join(path, "tokenizer_config.json"), required=False) or {}
+        config = read_json(checkpoint_path(path, "tokenizer_config.json"), required=False) or {}
         texts = {k: _token_text(config.get(k)) for k in TEMPLATE_TOKENS}
         ids = {k: tok.token_to_id(t) if t is not None else None for k, t in texts.items()}
         return cls(tok, bos_id=ids["bos_token"], eos_id=ids["eos_token"], add_bos=False,

@@ -33,9 +33,10 @@ def register(sub) -> None:
     from serving.bench.kv import tp as kv_tp
     from serving.bench.load import command as serving_load
     from serving.bench.serve import command as serve
+    from serving.bench.startup import command as startup
     from serving.cli import bench_engine
 
-    for module in (bench_engine, handoff, serve, kv_quality, kv_tp, serving_load):
+    for module in (bench_engine, handoff, serve, kv_quality, kv_tp, serving_load, startup):
         module.register(bsub)
 
 

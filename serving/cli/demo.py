@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 WAN = ["--wan-mbps", "100", "--wan-latency-ms", "20"]
@@ -64,10 +65,21 @@ def start_stack(state: str) -> subprocess.Popen:
     wait_s = READY_SECONDS.get() + 120  # pddjax up waits READY_SECONDS for its services
     proc = subprocess.Popen([sys.executable, "-m", "serving", "up", "--port", "0", "--state", state, *WAN],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+
+    def relay_progress() -> None:  # up's own progress lines as they come; the pipe drained for good
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("pddjax up:") and not os.path.exists(state):
+                print("  " + line.rstrip(), flush=True)
+
+    reader = threading.Thread(target=relay_progress, daemon=True)
+    reader.start()
     deadline = time.monotonic() + wait_s
     while not os.path.exists(state):
         if proc.poll() is not None:
-            raise SystemExit(f"pddjax up failed:\n{proc.stdout.read()}")
+            reader.join(5)
+            raise SystemExit("pddjax up failed:\n" + "".join(lines))
         if time.monotonic() > deadline:
             proc.terminate()
             raise SystemExit(f"pddjax up did not start within {wait_s:.0f} s")
@@ -170,8 +182,8 @@ def main() -> int:
 
     state = os.path.join(tempfile.mkdtemp(prefix="pddjax-demo-"), "state.json")
     print("starting the stack: pddjax up " + " ".join(WAN) + " (P, RLD, MD, router; real model) ...\n"
-          "  each engine compiles its step shapes before it serves: ~20 s with a warm compile cache,\n"
-          "  several minutes the first time on a fresh machine", flush=True)
+          "  each engine compiles a few step shapes before it serves and the rest in the background:\n"
+          "  seconds with a warm compile cache, about a minute the first time on a fresh machine", flush=True)
     t0 = time.perf_counter()
     proc = start_stack(state)
     try:

@@ -45,6 +45,9 @@ def register(sub) -> None:
                    help="root: cluster A (P, RLD, router, gateway) and cluster B (MD) in their own network namespaces, "
                         "joined by a veth pair shaped by the kernel (tc tbf for --wan-mbps; netem delay for "
                         "--wan-latency-ms where the kernel has it, else a userspace link); deploy/README.md")
+    u.add_argument("--netns-user", default="nobody", metavar="USER",
+                   help="with --netns: the unprivileged user every service runs as (default nobody; it must be "
+                        "able to read this Python and pddjax); root keeps them root")
     u.add_argument("--tls", action="store_true",
                    help="make a development CA and per-role certificates (pddjax certs) in a new directory and run "
                         "the stack with them (the state file names it as `tls_dir`; clients need its ca.pem only)")
@@ -73,14 +76,18 @@ def _openai_flags(p) -> None:
     g = p.add_argument_group("openai (the HTTP gateway)")
     g.add_argument("--router", metavar="HOST:PORT", help="the router's address (openai: required)")
     g.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
-    g.add_argument("--model", help="the served model (its name and weights fingerprint in responses; requests must "
-                                   "name it); default: any name accepted")
+    g.add_argument("--model", help="openai: the served model (its name and weights fingerprint in responses; "
+                                   "requests must name it; default: any name accepted); every other role: the "
+                                   "model to serve instead of the config's (a name, a .gguf or a checkpoint folder)")
     g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request names none")
     g.add_argument("--openai-port", type=int, metavar="N",
                    help="router: also serve the OpenAI gateway in the router's process on this HTTP port (0 = any; "
                         "its address in the ready file as `openai`)")
     g.add_argument("--openai-host", help="router: the co-hosted gateway's HTTP listen address (default: the router's "
-                                         "host; off loopback only with --insecure)")
+                                         "host; off loopback only with HTTPS, or --insecure and no token)")
+    g.add_argument("--https-cert", metavar="PEM", help="the gateway's HTTPS certificate chain (alone, or co-hosted "
+                                                       "with --openai-port); with --https-key")
+    g.add_argument("--https-key", metavar="PEM", help="the gateway's HTTPS private key")
 
 
 def run_openai(args) -> int:
@@ -88,16 +95,17 @@ def run_openai(args) -> int:
         raise UserError("pddjax serve openai needs --router HOST:PORT")
     if args.default_max_tokens < 1:
         raise UserError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-    from serving.openai.server import plaintext_problem, serve
+    from serving.openai.server import https_config, plaintext_problem, serve
 
-    problem = plaintext_problem(args.host, args.insecure)  # the HTTP side has no TLS of its own
+    https = https_config(args.https_cert, args.https_key)
+    problem = plaintext_problem(args.host, args.insecure, token=True, https=bool(https))  # it forwards API keys
     if problem:
         raise UserError(problem)
     apply_security_flags(args)
     _die_with_parent()
 
     asyncio.run(serve(args.router, args.host, 8000 if args.port is None else args.port, args.model, args.ready_file,
-                      args.default_max_tokens))
+                      args.default_max_tokens, https=https))
     return 0
 
 
@@ -173,7 +181,11 @@ def run_serve(args) -> int:
     from serving.config import read_file, service_config
     from serving.stack.server import serve
 
-    cfg = service_config(read_file(args.config), args.role, args.port)
+    stack = read_file(args.config)
+    if args.model:  # one model for the whole stack: the role's own override goes too
+        stack = {**stack, "model": args.model, args.role: {k: v for k, v in stack.get(args.role, {}).items()
+                                                           if k != "model"}}
+    cfg = service_config(stack, args.role, args.port)
     cfg.insecure, cfg.reflection = cfg.insecure or args.insecure, cfg.reflection or args.reflection
     _apply_multihost_flags(args, cfg)
     openai = _cohosted_openai(args, cfg)
@@ -206,13 +218,15 @@ def _cohosted_openai(args, cfg) -> dict | None:
         raise UserError(f"--openai-port is for the router (it co-hosts the OpenAI gateway), not {cfg.role}")
     if args.default_max_tokens < 1:
         raise UserError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-    from serving.openai.server import plaintext_problem
+    from serving import security
+    from serving.openai.server import https_config, plaintext_problem
 
     host = args.openai_host or cfg.host
-    problem = plaintext_problem(host, cfg.insecure)
+    https = https_config(args.https_cert, args.https_key)
+    problem = plaintext_problem(host, cfg.insecure, token=security.router_token() is not None, https=bool(https))
     if problem:
         raise UserError(problem)
-    return {"host": host, "port": args.openai_port, "default_max_tokens": args.default_max_tokens}
+    return {"host": host, "port": args.openai_port, "default_max_tokens": args.default_max_tokens, "https": https}
 
 
 def _apply_multihost_flags(args, cfg) -> None:
@@ -225,6 +239,13 @@ def _apply_multihost_flags(args, cfg) -> None:
                 raise UserError(f"--{flag.replace('_', '-')} is for an engine role, not the router")
             setattr(cfg, key, getattr(args, flag))
     problem = multihost_problem(cfg)
+    if not problem and cfg.num_processes > 1:  # the op channel's rule, before anything starts
+        from pddjax.addresses import host_of
+        from pddjax.engines.multihost_channel import channel_problem
+        from serving import security
+
+        problem = channel_problem(host_of(cfg.coordinator_address), security.tls_dir() is not None,
+                                  cfg.insecure)
     if problem:
         raise UserError(problem)
 
@@ -300,6 +321,7 @@ def run_up(args) -> int:
     if args.netns:
         from serving.stack.netns_up import run_netns_stack
 
-        return asyncio.run(run_netns_stack(stack, args.port, args.state, instances, args.openai_port))
+        return asyncio.run(run_netns_stack(stack, args.port, args.state, instances, args.openai_port,
+                                           service_user=args.netns_user))
     return asyncio.run(run_stack(stack, args.port, args.state, instances=instances,
                                  openai_port=args.openai_port))

@@ -64,10 +64,12 @@ LINGER_LEASES = 3  # a slot alive this many leases is logged once with its state
 
 
 class DecodeService(cluster_pb2_grpc.DecodeServicer):
-    """`role` is "relay" (RLD) or "main" (MD); `info` the static ServiceInfo fields."""
+    """`role` is "relay" (RLD) or "main" (MD); `info` the static ServiceInfo fields;
+    `handoff_peers` the MD addresses RLD may hand off to (empty: any; handoff.py)."""
 
-    def __init__(self, role: str, engine: PagedEngine, model_config: ModelConfig, info: dict):
+    def __init__(self, role: str, engine: PagedEngine, model_config: ModelConfig, info: dict, handoff_peers=()):
         self.role, self.engine, self.cfg, self.info = role, engine, model_config, info
+        self.handoff_peers = tuple(handoff_peers)
         # built by start(): each needs the engine worker, which needs the event loop
         self.worker: EngineWorker | None = None
         self.slots: SlotTable | None = None
@@ -81,7 +83,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         self.slots = SlotTable(self.engine, self.worker)
         self.pages = PageQueue(self.worker, self.role)  # Reserves waiting for pages (wait_for_pages)
         self.kv = KVReceiver(self.role, self.engine.fingerprint, self.worker, self.slots, self.cfg.vocab_size)
-        self.handoff = Handoff(self.role, self.worker, self.slots, self.cfg.vocab_size)
+        self.handoff = Handoff(self.role, self.worker, self.slots, self.cfg.vocab_size, self.handoff_peers)
         self.worker.faults.on_fault = self._step_failed
         self._lease_task = loop.create_task(self._expire_leases())
 
@@ -92,22 +94,41 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
             await asyncio.sleep(min(5.0, lease_s / 4, kv_wait_s / 4))
             now = time.monotonic()
             for slot in self.slots:
-                idle = now - slot.touched
-                if not slot.closed and slot.streams == 0 and idle > lease_s:
-                    failure = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                         f"the reservation of {slot.request_id} on {self.role} expired "
-                                         f"after {lease_s:.0f} s without traffic")
-                    await self.worker.call(lambda e, s=slot, f=failure: self.slots.close(s, f, cache=False))
-                elif slot.state in WAITING and idle > kv_wait_s:
-                    # an open stream keeps a reservation, but not one whose KV (or handoff) never comes
-                    failure = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                         f"no KV for {slot.request_id} reached {self.role} within "
-                                         f"{kv_wait_s:.0f} s; its reservation is dropped")
-                    await self.worker.call(lambda e, s=slot, f=failure: self.slots.close(s, f, cache=False))
-                elif not slot.closed and not slot.reported and now - slot.born > LINGER_LEASES * lease_s:
-                    slot.reported = True  # legitimate for a long generation; a leak shows up here first
-                    print(f"{self.role}: {slot.request_id} alive {now - slot.born:.0f} s "
-                          f"({await self.worker.call(_describe, slot)})", file=sys.stderr, flush=True)
+                try:
+                    await self._check_lease(slot, now, lease_s, kv_wait_s)
+                except Exception as exc:  # noqa: BLE001  (one slot's failure never ends the other leases)
+                    print(f"{self.role}: the lease check of {slot.request_id} failed ({type(exc).__name__}: "
+                          f"{str(exc)[:160]})", file=sys.stderr, flush=True)
+
+    async def _check_lease(self, slot: Slot, now: float, lease_s: float, kv_wait_s: float) -> None:
+        """One slot's lease: expired, its KV overdue, or logged once when it lingers."""
+        idle = now - slot.touched
+        if not slot.closed and slot.streams == 0 and idle > lease_s:
+            failure = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"the reservation of {slot.request_id} on {self.role} expired "
+                                 f"after {lease_s:.0f} s without traffic")
+            await self.worker.call(self._expire, slot, failure)
+        elif slot.state in WAITING and idle > kv_wait_s:
+            # an open stream keeps a reservation, but not one whose KV (or handoff) never comes
+            failure = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"no KV for {slot.request_id} reached {self.role} within "
+                                 f"{kv_wait_s:.0f} s; its reservation is dropped")
+            await self.worker.call(self._expire, slot, failure)
+        elif not slot.closed and not slot.reported and now - slot.born > LINGER_LEASES * lease_s:
+            slot.reported = True  # legitimate for a long generation; a leak shows up here first
+            print(f"{self.role}: {slot.request_id} alive {now - slot.born:.0f} s "
+                  f"({await self.worker.call(_describe, slot)})", file=sys.stderr, flush=True)
+
+    def _expire(self, e, slot: Slot, failure: RpcFailure) -> None:
+        """Engine thread: an expired reservation ends with `failure` and frees its pages. Should the
+        close raise, the engine's sequence is released once more here (the slot has left the table:
+        SlotTable.close), and the exception goes on to the lease loop's log line."""
+        try:
+            self.slots.close(slot, failure, cache=False)
+        finally:
+            rid, owner = slot.request_id, self.slots.get(slot.request_id)
+            if slot.closed and rid in e.seqs and (owner is None or owner is slot):
+                e.release(rid, cache=False)
 
     def _on_step(self, events) -> None:
         """Engine thread: a step's tokens to their streams; HandoffTokens waiting for MD to catch up wake."""

@@ -12,6 +12,9 @@
                stream ends with handed_off_at = N. Its tries share HANDOFF_FINAL_SECONDS (the
                user waits meanwhile), after which RLD resumes.
                Each HandoffTokens try is retried when its connection breaks or its answer is lost.
+               MD's address comes with the request: one that is not HOST:PORT is INVALID_ARGUMENT,
+               one outside `[relay] handoff_peers` (when set) PERMISSION_DENIED, both before any
+               channel opens; at most MD_CHANNELS channels are kept (rpc.PeerChannels).
   HandoffTokens (MD) append RLD's tokens and extend-decode them; a non-final chunk is
                acknowledged once MD has caught up on it; on the final one MD emits from N on.
                Applied once per (request, chunk_seq | final): the table of applied chunks
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
 MAX_CATCH_UP_CHUNKS = 8
 HANDOFF_RETRY_WAITS = (0.2, 0.5, 1.0)  # before each retry of the same chunk (MD applies it once)
 HANDOFFS_REMEMBERED = 10000  # MD: applied handoff chunks (a retry is answered, never applied twice)
+MD_CHANNELS = 32  # RLD: channels to MD kept open (one per MD address; the least recently used idle one closes)
 
 
 class HandoffLate(Exception):
@@ -58,11 +62,13 @@ class HandoffLate(Exception):
 class Handoff:
     """Both ends of the handoff for one Decode service: `handoff` (on RLD) and `handoff_tokens`
     (on MD), for the requests reserved in `slots`, through `worker`. `role` names this service
-    in log lines and error messages; token ids at or past `vocab_size` are refused."""
+    in log lines and error messages; token ids at or past `vocab_size` are refused; `peers`: the
+    MD addresses RLD may hand off to (empty: any HOST:PORT)."""
 
-    def __init__(self, role: str, worker: EngineWorker, slots: SlotTable, vocab_size: int):
+    def __init__(self, role: str, worker: EngineWorker, slots: SlotTable, vocab_size: int, peers=()):
         self.role, self.worker, self.slots, self.vocab_size = role, worker, slots, vocab_size
-        self.channels: dict[str, grpc.aio.Channel] = {}  # RLD: MD's address -> channel
+        self.peers = frozenset(peers)
+        self.channels = rpc.PeerChannels(MD_CHANNELS, rpc.PEER_CHANNEL_OPTIONS)  # RLD: MD's address -> channel
         # MD: (request, chunk_seq | "final") -> ((start, n, tokens' crc), ack future); outlives
         # the slot, so a retry whose answer was lost is answered even after the request finished here
         self.applied: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
@@ -76,6 +82,13 @@ class Handoff:
         slot = self.slots.get(rid)
         if slot is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not on {self.role}")
+        address = request.main_address
+        problem = rpc.address_problem(address)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the handoff of {rid} cannot go to MD: {problem}")
+        if self.peers and address not in self.peers:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{address} is not one of this relay's "
+                                                                   "handoff peers ([relay] handoff_peers)")
         # MD may hold its KV before RLD does (a large DRC hit): hand off only once RLD decodes,
         # waiting no longer than the caller's deadline or DECODING_WAIT_SECONDS
         remaining = rpc.time_left(context)
@@ -86,9 +99,12 @@ class Handoff:
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{rid} did not start decoding on {self.role} "
                                                                    f"within {wait:.0f} s (its KV has not arrived)")
-        ch = self.channels.get(request.main_address) or rpc.channel(request.main_address, rpc.PEER_CHANNEL_OPTIONS)
-        self.channels[request.main_address] = ch
-        main = cluster_pb2_grpc.DecodeStub(ch)
+        async with self.channels.use(address) as ch:  # never closed while this handoff uses it
+            return await self._hand_over(request, context, cluster_pb2_grpc.DecodeStub(ch))
+
+    async def _hand_over(self, request, context, main: cluster_pb2_grpc.DecodeStub) -> cluster_pb2.HandoffResponse:
+        """RLD, decoding: `handoff`'s catch-up chunks and final to MD through `main`."""
+        rid = request.request_id
         chunked = request.mode == common_pb2.HANDOFF_MODE_CHUNKED
         threshold = request.threshold or 64
         sent, chunks = 0, 0

@@ -11,6 +11,12 @@ KV from a sender of another tensor-parallel degree arrives as each shard's head 
 (kvwire.Assembler holds a token block until every range of the sender's split is in, refuses
 heads missing or twice); the engine's import places each head on the devices of this pool
 that hold it (canonical.import_run), whatever this engine's own degree.
+Hostile streams: each chunk is checked and decoded in a worker thread (never on the event
+loop); its header must state this model's layers, KV heads and head_dim and a token span
+within the reservation, before anything is decompressed (kvwire.Assembler); non-finite values
+are refused (codec). Any failure of a push (a refusal, an exception, MemoryError) fails the
+reservation, its pages freed and nothing of it cached; a push cut off (cancelled, or ended
+before its last chunk) leaves it for a replacement P, or PDDJAX_KV_WAIT_SECONDS.
 """
 
 from __future__ import annotations
@@ -41,15 +47,18 @@ class KVReceiver:
         self.role, self.fingerprint, self.worker, self.slots = role, fingerprint, worker, slots
         self.vocab_size, self.accepts = vocab_size, tuple(accepts)
         self.dtype = worker.engine.config.dtype  # lossy formats decode straight into the pool's dtype
+        cfg = worker.engine.cfg
+        self.model_layout = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # what a KV header must say
         pool = worker.engine.pool
         self.layout = f"{degree(pool)} device(s) holding KV heads {_ranges(head_ranges(pool))}"  # this pool's
         self.senders_seen: set[tuple[int, tuple[int, ...]]] = set()  # (degree, head split) of senders logged
 
     async def push(self, request_iterator, context) -> cluster_pb2.PushKVResponse:
-        """Chunks are read as they come; imports are coalesced: while one import waits for the
-        engine thread (a step in flight), the chunks that arrive meanwhile are imported together
-        by the next call, so a long push costs a few engine calls, not one per chunk."""
-        asm, rid, imported = Assembler(self.fingerprint, self.accepts, self.dtype), None, 0
+        """Chunks are read as they come and decoded off the event loop (a worker thread); imports
+        are coalesced: while one import waits for the engine thread (a step in flight), the
+        chunks that arrive meanwhile are imported together by the next call, so a long push
+        costs a few engine calls, not one per chunk. Any failure fails the reservation."""
+        asm, rid, imported = None, None, 0
         batch: list = []  # KV runs assembled, not yet handed to the engine thread
         pending = None  # the import in flight (a task)
 
@@ -65,11 +74,13 @@ class KVReceiver:
                 pending.add_done_callback(_observed)  # an error after the stream broke is not "never retrieved"
         try:
             async for chunk in request_iterator:
-                rid = rid or chunk.request_id
+                if asm is None:  # the first chunk names the stream's request (Assembler refuses another)
+                    rid = chunk.request_id
+                    asm = self._assembler(rid)
                 self.slots.touch(rid)
                 if rid not in self.slots:
                     raise self._gone(rid)
-                run = asm.feed(chunk)
+                run = await asyncio.to_thread(asm.feed, chunk)  # crc, checks, decompress, decode
                 if chunk.seq == 0:
                     self._log_sender(asm.header)
                 if run is not None:
@@ -88,10 +99,34 @@ class KVReceiver:
                                                       chunks=asm.next_seq)
         except (WireError, KVImportError) as e:
             code = e.code_name if isinstance(e, WireError) else "FAILED_PRECONDITION"
-            if rid in self.slots and code not in ("NOT_FOUND", "ABORTED"):  # never decoded: drop it
-                await self.worker.call(self.slots.fail, rid, getattr(grpc.StatusCode, code), str(e))
-            await context.abort(getattr(grpc.StatusCode, code), str(e))
+            await self._fail(rid, code, str(e), context)
+        except grpc.aio.AbortError:  # the gate refused a malformed chunk mid-stream: the reservation goes too
+            if rid in self.slots:
+                await self.worker.call(self.slots.fail, rid, grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"a KV chunk of {rid} is not a valid KVChunk message")
+            raise
+        except MemoryError:
+            await self._fail(rid, "RESOURCE_EXHAUSTED", f"{self.role} ran out of memory decoding the KV of {rid}",
+                             context)
+        except Exception as e:  # a bug or a payload no check foresaw: the slot must not stay open
+            await self._fail(rid, "INTERNAL", f"importing the KV of {rid} on {self.role} failed "
+                                              f"({type(e).__name__})", context)
         await context.abort(grpc.StatusCode.DATA_LOSS, f"KV stream for {rid} ended before its last chunk")
+
+    def _assembler(self, rid: str) -> Assembler:
+        """The checks of one stream: this model's layout, and the tokens `rid`'s reservation holds
+        (read once, from the loop: a sequence's token count only grows on the engine thread)."""
+        seq = self.worker.engine.seqs.get(rid)
+        if seq is None:
+            raise self._gone(rid)
+        return Assembler(self.fingerprint, self.accepts, self.dtype, self.model_layout, seq.num_tokens)
+
+    async def _fail(self, rid, code: str, message: str, context) -> None:
+        """The push ends with `code`; the reservation (never decoded) is failed with it, unless
+        it is gone already (NOT_FOUND, ABORTED)."""
+        if rid in self.slots and code not in ("NOT_FOUND", "ABORTED"):
+            await self.worker.call(self.slots.fail, rid, getattr(grpc.StatusCode, code), message)
+        await context.abort(getattr(grpc.StatusCode, code), message)
 
     def _log_sender(self, h: cluster_pb2.KVHeader) -> None:
         """One line per sender layout (degree, head split) this service first receives KV from

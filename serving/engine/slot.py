@@ -172,18 +172,22 @@ class SlotTable:
         self.emit_held(slot)
 
     def close(self, slot: Slot, item, cache: bool = True) -> None:
-        """Engine thread: last message of the stream, drop the sequence (CLOSED)."""
+        """Engine thread: last message of the stream, drop the sequence (CLOSED). Should the
+        engine's release raise, the slot still wakes its waiters and leaves the table (the
+        exception goes on to the caller, the sequence still in the engine)."""
         if slot.closed:
             return
         slot.move(SlotState.CLOSED)
         self.put(slot, item)
-        if slot.request_id in self.engine.seqs:
-            self.engine.release(slot.request_id, cache=cache)
-        self.worker.post(slot.started.set)  # a pending Handoff wakes up and finds it gone
-        for _, fut in slot.waiters:
-            self.worker.post(resolve, fut, -1)
-        slot.waiters.clear()
-        self.worker.post(self._discard, slot)
+        try:
+            if slot.request_id in self.engine.seqs:
+                self.engine.release(slot.request_id, cache=cache)
+        finally:
+            self.worker.post(slot.started.set)  # a pending Handoff wakes up and finds it gone
+            for _, fut in slot.waiters:
+                self.worker.post(resolve, fut, -1)
+            slot.waiters.clear()
+            self.worker.post(self._discard, slot)
 
     def _discard(self, slot: Slot) -> None:
         """Event loop: a closed slot leaves the table (unless its id names another slot by now)."""

@@ -7,8 +7,15 @@ the last one `finish_reason`, usage and timings. From it come the non-streamed
 streamed `text_completion`. Usage: prompt, completion and total tokens, `cached_tokens` =
 prompt tokens P's prefix cache supplied (the computation the request skipped). The `pddjax`
 extension (on the response, and on the stream's finishing chunk) holds the pipeline, the
-relay/main token split, both caches' hits, the KV bytes that crossed, the router's timings
-and the gateway's own TTFT (its request received -> first token sent on).
+relay/main token split, the handoff, the router's TTFT and total and the gateway's own TTFT
+(its request received -> first token sent on); with `cache_hits` also both caches' hits, the
+KV bytes that crossed, the policy's explanation and P's / the WAN's times.
+
+Cache hits are the operator's to reveal (`cache_hits`, PDDJAX_OPENAI_CACHE_HITS=1; benchmarks
+read them): a hit on a prefix tells a caller that someone sent it before, so by default
+cached_tokens is 0 and the extension leaves out every figure that follows from a hit
+(CACHE_FIELDS: the hits, the KV bytes and times that shrink with them, the explanation that
+quotes them).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH
 PIPELINES = {common_pb2.PIPELINE_AUTO: "auto", common_pb2.PIPELINE_PDD: "pdd",
              common_pb2.PIPELINE_PD_CROSS: "pd-cross", common_pb2.PIPELINE_PD_LOCAL: "pd-local"}
 SOURCES = {common_pb2.ROLE_RELAY: "relay", common_pb2.ROLE_MAIN: "main", common_pb2.ROLE_PREFILL: "prefill"}
+CACHE_FIELDS = ("explain", "cached_on_prefill", "cached_on_main", "kv_bytes_to_relay", "kv_bytes_to_main",
+                "prefill_ms", "kv_to_main_ms")  # the extension's figures that tell a cache hit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +50,9 @@ class Served:
 
 
 class Answer:
-    def __init__(self, chat: bool, rid: str, served: Served, return_ids: bool):
+    def __init__(self, chat: bool, rid: str, served: Served, return_ids: bool, cache_hits: bool = False):
         self.chat, self.rid, self.served, self.return_ids = chat, rid, served, return_ids
+        self.cache_hits = cache_hits  # tell the caches' hits (module docstring)
         self.created = int(time.time())
         self.pipeline, self.explain, self.prompt_ids = "", "", []
         self.token_ids: list[int] = []
@@ -76,11 +86,12 @@ class Answer:
         completion = u.completion_tokens or len(self.token_ids)
         return s.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=completion,
                        total_tokens=u.prompt_tokens + completion,
-                       prompt_tokens_details=s.PromptTokensDetails(cached_tokens=u.cached_on_prefill))
+                       prompt_tokens_details=s.PromptTokensDetails(
+                           cached_tokens=u.cached_on_prefill if self.cache_hits else 0))
 
     def extension(self) -> dict:
         u, t = self.usage_pb, self.timings_pb
-        return {"pipeline": self.pipeline, "explain": self.explain, "relay_tokens": u.relay_tokens,
+        ext = {"pipeline": self.pipeline, "explain": self.explain, "relay_tokens": u.relay_tokens,
                 "main_tokens": u.main_tokens, "cached_on_prefill": u.cached_on_prefill,
                 "cached_on_main": u.cached_on_main, "kv_bytes_to_relay": u.kv_bytes_to_relay,
                 "kv_bytes_to_main": u.kv_bytes_to_main, "handoff_tokens": u.handoff_tokens,
@@ -88,6 +99,10 @@ class Answer:
                 "router_ttft_ms": round(t.ttft_ms, 2), "router_total_ms": round(t.total_ms, 2),
                 "prefill_ms": round(t.prefill_ms, 2), "kv_to_main_ms": round(t.kv_to_main_ms, 2),
                 "gateway_ttft_ms": self.gateway_ttft_ms}
+        if not self.cache_hits:
+            for key in CACHE_FIELDS:
+                del ext[key]
+        return ext
 
     def _head(self) -> dict:
         head = dict(id=self.rid, created=self.created, model=self.served.name,

@@ -3,9 +3,13 @@
   POST /v1/chat/completions, POST /v1/completions   streamed (server-sent events: starlette's
        StreamingResponse, each event framed by sse-starlette's ServerSentEvent; one chunk per
        router message, then include_usage's usage chunk, then `data: [DONE]`) or not
-  GET  /v1/models    the served model (the router answers Stats with the client's token first)
+  GET  /v1/models    the served model (the router answers Stats with the client's token first;
+                     no address of the router's)
   GET  /health       200 when the router serves (its grpc.health.v1; co-hosted: its Gate), else 503
-  GET  /metrics      Prometheus (gateway.metrics)
+Its Prometheus metrics are not on this (public) port: they join the router's metrics endpoint
+(co-hosted) or a metrics port of their own (server.py). Every error, the framework's included,
+is OpenAI's error JSON (errors.py); bodies and connections are bounded (edge.py). A request's
+deadline (`request_timeout`, else the gateway's default) is capped at MAX_REQUEST_TIMEOUT_S.
 
 The router is an upstream_api.Upstream: over gRPC (upstream.GrpcUpstream) or, in the router's
 process, serving/stack/cohost.RouterUpstream. A request: body checked (pydantic, then
@@ -27,13 +31,13 @@ import uuid
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse  # starlette's, re-exported
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import Response, StreamingResponse  # starlette's, re-exported
 from sse_starlette import ServerSentEvent
 
 from serving.gate import wait_set
 from serving.openai import errors, translate
 from serving.openai.answer import Answer, Served
+from serving.openai.edge import BodyLimit
 from serving.openai.errors import OpenAIError, from_rpc
 from serving.openai.metrics import CLIENT_GONE, GatewayMetrics
 from serving.openai.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -44,6 +48,7 @@ PING = ServerSentEvent(comment="ping").encode()
 DONE = ServerSentEvent("[DONE]").encode()
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
 _PINGS: set[asyncio.Task] = set()  # keep-alive sends in flight (referenced until done)
+MAX_REQUEST_TIMEOUT_S = 1800.0  # a request's deadline at most (the router's [router] max_deadline_s default)
 
 
 def _event(data: str) -> bytes:
@@ -121,9 +126,13 @@ class _Stream(StreamingResponse):
 
 class Gateway:
     def __init__(self, upstream: Upstream, served: Served, *, check_model: bool = True, default_max_tokens: int = 256,
-                 request_timeout: float | None = 600.0, metrics: GatewayMetrics | None = None):
+                 request_timeout: float | None = 600.0, metrics: GatewayMetrics | None = None,
+                 cache_hits: bool = False):
+        """`cache_hits`: responses tell the prefix caches' hits (usage's cached_tokens, the
+        extension's; PDDJAX_OPENAI_CACHE_HITS): off, no caller learns what another one's prompts left cached."""
         self.upstream, self.served, self.check_model = upstream, served, check_model
         self.default_max_tokens, self.request_timeout = default_max_tokens, request_timeout
+        self.cache_hits = cache_hits
         self.metrics = metrics or GatewayMetrics()
         self.started = int(time.time())
         self.inflight = 0  # requests from their body's arrival until their response ended
@@ -155,9 +164,8 @@ class Gateway:
                                        f"{self.served.name!r})", "invalid_request_error", "model", "model_not_found")
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             req = translate.generate_request(body, rid, request.headers.get("x-session-id"), self.default_max_tokens)
-            answer = Answer(chat, rid, self.served, body.return_token_ids)
-            call = self.upstream.generate(req, request.headers.get("authorization"),
-                                          body.request_timeout or self.request_timeout)
+            answer = Answer(chat, rid, self.served, body.return_token_ids, self.cache_hits)
+            call = self.upstream.generate(req, request.headers.get("authorization"), self.deadline(body))
             messages = aiter(call)
             try:
                 answer.take(await _unless_gone(request, anext(messages)))
@@ -195,6 +203,10 @@ class Gateway:
                 call.cancel()
             if not streaming:
                 self._leave()
+
+    def deadline(self, body: ChatCompletionRequest | CompletionRequest) -> float:
+        """The request's deadline in seconds: the client's, else the default, at most MAX_REQUEST_TIMEOUT_S."""
+        return min(body.request_timeout or self.request_timeout or MAX_REQUEST_TIMEOUT_S, MAX_REQUEST_TIMEOUT_S)
 
     async def _events(self, messages, answer: Answer, include_usage: bool, endpoint: str, t0: float, outcome: dict):
         """SSE events (sse-starlette's ServerSentEvent framing): the role chunk (chat), one chunk
@@ -236,8 +248,8 @@ class Gateway:
         for inst in st.get("instances", []):
             healthy[inst["role"]] = healthy.get(inst["role"], 0) + bool(inst.get("healthy"))
         card = ModelCard(id=self.served.name, object="model", created=self.started, owned_by="pddjax",
-                         pddjax={"fingerprint": self.served.fingerprint, "router": self.upstream.address,
-                                 "healthy_instances": healthy, **({"model": st["model"]} if "model" in st else {})})
+                         pddjax={"fingerprint": self.served.fingerprint, "healthy_instances": healthy,
+                                 **({"model": st["model"]} if "model" in st else {})})
         return ModelList(object="list", data=[card])
 
     async def health(self):
@@ -259,6 +271,7 @@ def create_app(gw: Gateway) -> FastAPI:
 
     app = FastAPI(title="pddjax OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     errors.install(app)
+    app.add_middleware(BodyLimit)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -275,14 +288,5 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.get("/health")
     async def health():
         return await gw.health()
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, exc):
-        return JSONResponse(OpenAIError(404, f"no route {request.method} {request.url.path}", code="not_found")
-                            .body().model_dump(), status_code=404)
 
     return app

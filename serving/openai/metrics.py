@@ -1,4 +1,5 @@
-"""The gateway's Prometheus metrics (its own registry, served on GET /metrics):
+"""The gateway's Prometheus metrics (its own registry, or the co-hosting router's; never on the
+gateway's public port: serving/openai/server.py says where they are served):
 
   pddjax_openai_requests_total{endpoint,code}  requests answered, by endpoint (chat, completions)
                                                and HTTP status; an error inside a started stream
@@ -23,8 +24,8 @@ CLIENT_GONE = 499  # nginx's "client closed request"
 
 
 class GatewayMetrics:
-    def __init__(self):
-        r = self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter("pddjax_openai_requests", "requests answered, by endpoint and HTTP status",
                                 ["endpoint", "code"], registry=r)
         self.ttft = Histogram("pddjax_openai_ttft_seconds", "request received -> first token sent on", ["endpoint"],

@@ -4,7 +4,10 @@ Requests: `ChatCompletionRequest` (POST /v1/chat/completions) and `CompletionReq
 /v1/completions), the OpenAI fields plus pddjax's extensions (`top_k`, `pipeline`, `handoff`,
 `session_id`, `ignore_eos`, `stop_token_ids`, `return_token_ids`, `request_timeout`). Fields
 the OpenAI API has and pddjax does not serve (tools, logprobs, penalties, n > 1 ...) are
-declared so `translate` can refuse them by name; other unknown fields are ignored.
+declared so `translate` can refuse them by name; other unknown fields are ignored. Sizes a
+caller controls are bounded before any per-item work (a list's length is checked before its
+items are): at most MAX_MESSAGES messages (and text parts per message), MAX_PROMPT_IDS prompt
+ids, MAX_STOP_IDS stop ids; numbers are finite (JSON's Infinity / NaN are refused).
 
 Responses are built with every field they carry set explicitly and dumped with
 `exclude_unset=True`: OpenAI's nulls stay (`finish_reason: null`, `usage: null` in a stream
@@ -15,13 +18,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 UINT32 = (1 << 32) - 1
+MAX_MESSAGES = 2048  # a chat's messages, and a message's content parts
+MAX_PROMPT_IDS = 1 << 18  # a completion's prompt ids (past any served context; the router checks the model's)
+MAX_STOP_IDS = 64  # as the router's
+
+
+def _at_most(value, limit: int, what: str, count: int | None = None):
+    """`value` unchanged unless it is a list longer than `limit` (or `count` is: checked before any item is)."""
+    n = count if count is not None else len(value) if isinstance(value, list) else 0
+    if n > limit:
+        raise ValueError(f"at most {limit} {what} are accepted, got {n}")
+    return value
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class TextPart(_Body):
@@ -33,6 +47,11 @@ class Message(_Body):
     role: str
     content: str | list[TextPart] | None = None
     tool_calls: list[Any] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts_bounded(cls, v):
+        return _at_most(v, MAX_MESSAGES, "content parts")
 
 
 class StreamOptions(_Body):
@@ -62,7 +81,7 @@ class _Sampling(_Body):
     handoff: Literal["one-shot", "chunked"] | None = None
     session_id: str | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32)]] | None = Field(None, max_length=MAX_STOP_IDS)
     return_token_ids: bool = False  # per choice (and chunk) `token_ids`, top-level `prompt_token_ids`
     request_timeout: float | None = Field(None, gt=0)  # seconds: the router's deadline (504 past it)
 
@@ -76,6 +95,11 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_bounded(cls, v):
+        return _at_most(v, MAX_MESSAGES, "messages")
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -83,6 +107,14 @@ class CompletionRequest(_Sampling):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_bounded(cls, v):
+        v = _at_most(v, MAX_PROMPT_IDS, "prompt token ids")
+        if isinstance(v, list) and v and isinstance(v[0], list):  # a batch: its ids together
+            _at_most(v, MAX_PROMPT_IDS, "prompt token ids", sum(len(p) for p in v if isinstance(p, list)))
+        return v
 
 
 # ---- responses ---------------------------------------------------------------------------

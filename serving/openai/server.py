@@ -29,6 +29,13 @@ pid, address, url, metrics}); SIGTERM / SIGINT stop it (uvicorn's graceful shutd
 streams get a few seconds). Co-hosted, the router's ready file names it (`openai`: {address,
 url, metrics}); the router's drain lets its requests finish, then stops it (`Cohosted.stop`).
 
+Edge: connections, request heads and bodies are bounded (edge.py: uvicorn runs EdgeProtocol,
+httptools with a connection limit, a head size and time bound); the port serves HTTPS when given
+a certificate and key (`https`: uvicorn's ssl_certfile / ssl_keyfile), and in plaintext off
+loopback only as the router's own port may (`plaintext_problem`). The gateway's metrics are not
+on this port: co-hosted they join the router's registry (its metrics endpoint), alone they get a
+metrics endpoint of their own (PDDJAX_METRICS_PORT, else any free port, on the gateway's host).
+
 Speed: uvicorn parses and writes with httptools (a declared dependency; a C parser and chunked
 writer instead of h11): the gateway's CPU per request fell ~25% (2.0-2.1 -> 1.6 ms) and per
 streamed token ~25-30%. uvloop measured no clear gain on top (per request 1.7-1.95 ms, per round
@@ -47,8 +54,14 @@ import os
 
 import uvicorn
 
+from pddjax import env
+from pddjax.addresses import is_loopback
+from serving import security
+from serving.metrics_http import MetricsEndpoint
 from serving.openai.answer import Served
 from serving.openai.app import Gateway, create_app
+from serving.openai.edge import EdgeProtocol
+from serving.openai.metrics import GatewayMetrics
 from serving.openai.upstream import GrpcUpstream
 from serving.openai.upstream_api import Upstream
 
@@ -82,7 +95,7 @@ class _Server(uvicorn.Server):
 
 async def _listen(gw: Gateway, host: str, port: int, server_class=uvicorn.Server, **config):
     """uvicorn serving the gateway's app on this loop -> (server, its task, "host:port" bound)."""
-    config = uvicorn.Config(create_app(gw), host=host, port=port, loop="asyncio", http="httptools",
+    config = uvicorn.Config(create_app(gw), host=host, port=port, loop="asyncio", http=EdgeProtocol, ws="none",
                             log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
                             timeout_keep_alive=KEEPALIVE_S, **config)
     server = server_class(config)
@@ -95,41 +108,58 @@ async def _listen(gw: Gateway, host: str, port: int, server_class=uvicorn.Server
     return server, task, f"{host}:{server.servers[0].sockets[0].getsockname()[1]}"
 
 
-def urls(address: str) -> dict:
-    return {"address": address, "url": f"http://{address}/v1", "metrics": f"http://{address}/metrics"}
+def urls(address: str, metrics: str, https: bool = False) -> dict:
+    return {"address": address, "url": f"{'https' if https else 'http'}://{address}/v1", "metrics": metrics}
 
 
-def plaintext_problem(host: str, insecure: bool) -> str | None:
-    """The HTTP side has no TLS of its own: off loopback, API keys would cross in plaintext."""
-    import ipaddress
-
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if loopback or insecure:
+def plaintext_problem(host: str, insecure: bool, token: bool, https: bool = False) -> str | None:
+    """The router port's rule (security.listen_problem) on the HTTP side: off loopback, plaintext
+    only with `insecure`, and never when requests carry the router's bearer token (the API key).
+    `token`: the router requires one (a gateway alone forwards each caller's Authorization and
+    cannot know the router takes none: it passes True)."""
+    if https or is_loopback(host):
         return None
-    return (f"refusing to serve the OpenAI gateway in plaintext on {host}: requests carry the router's token; "
-            "listen on a loopback address behind a TLS proxy, or pass --insecure")
+    where = host or "every interface"
+    if token:
+        return (f"refusing to serve the OpenAI gateway in plaintext on {where}: its requests carry the router's "
+                "bearer token; give it a certificate (--https-cert / --https-key) or listen on a loopback address "
+                "behind a TLS proxy")
+    if not insecure:
+        return (f"refusing to serve the OpenAI gateway in plaintext on {where}: give it a certificate "
+                "(--https-cert / --https-key), listen on a loopback address behind a TLS proxy, or pass --insecure")
+    return None
 
 
-def write_ready(path: str, address: str) -> None:
+def https_config(cert: str | None, key: str | None) -> dict:
+    """uvicorn's TLS settings for (certificate chain, key) PEM files; {} for plaintext."""
+    if bool(cert) != bool(key):
+        raise security.SecurityConfigError("the gateway's HTTPS needs both --https-cert and --https-key")
+    for path in filter(None, (cert, key)):
+        if not os.path.isfile(path):
+            raise security.SecurityConfigError(f"cannot read the gateway's HTTPS file {path}")
+    return {"ssl_certfile": cert, "ssl_keyfile": key} if cert else {}
+
+
+def write_ready(path: str, info: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"role": "openai", "pid": os.getpid(), **urls(address)}, f)
+        json.dump({"role": "openai", "pid": os.getpid(), **info}, f)
     os.replace(tmp, path)
 
 
 async def serve(router: str, host: str, port: int, model: str | None, ready_file: str | None = None,
-                default_max_tokens: int = 256, request_timeout: float | None = 600.0) -> None:
-    """A gateway process in front of the router at `router` (over gRPC)."""
+                default_max_tokens: int = 256, request_timeout: float | None = 600.0,
+                https: dict | None = None) -> None:
+    """A gateway process in front of the router at `router` (over gRPC); `https`: https_config's."""
     served, check = served_model(model)
     gw = Gateway(GrpcUpstream(router), served, check_model=check, default_max_tokens=default_max_tokens,
-                 request_timeout=request_timeout)
-    server, task, address = await _listen(gw, host, port)
+                 request_timeout=request_timeout, cache_hits=env.OPENAI_CACHE_HITS.get())
+    metrics = MetricsEndpoint(gw.metrics.registry, host, env.METRICS_PORT.get() or 0)
+    server, task, address = await _listen(gw, host, port, **(https or {}))
+    info = urls(address, f"http://{host}:{metrics.port}/metrics", bool(https))
     if ready_file:
-        write_ready(ready_file, address)
-    print(f"pddjax openai serving on http://{address}/v1 (router {router}, model {served.name})", flush=True)
+        write_ready(ready_file, info)
+    print(f"pddjax openai serving on {info['url']} (router {router}, model {served.name})", flush=True)
     await task
 
 
@@ -141,6 +171,7 @@ class Cohosted:
     task: asyncio.Task
     gateway: Gateway
     address: str
+    info: dict  # urls(): address, url, metrics (the router's endpoint)
 
     async def stop(self, drain_s: float) -> None:
         """After the router's Gate drains: the gateway's requests finish (up to drain_s), then uvicorn stops."""
@@ -150,11 +181,14 @@ class Cohosted:
 
 
 async def start_cohosted(upstream: Upstream, host: str, port: int, model: str | None, default_max_tokens: int = 256,
-                         request_timeout: float | None = 600.0) -> Cohosted:
+                         request_timeout: float | None = 600.0, *, https: dict | None = None, registry=None,
+                         metrics_url: str = "") -> Cohosted:
     """The gateway's HTTP port opened on this (the host process's) loop in front of `upstream`
-    (the router in this process: serving/stack/cohost.py); the host keeps its signal handlers."""
+    (the router in this process: serving/stack/cohost.py); the host keeps its signal handlers.
+    `registry` / `metrics_url`: the host's metrics (the gateway's join them); `https`: https_config's."""
     served, check = served_model(model)
     gw = Gateway(upstream, served, check_model=check, default_max_tokens=default_max_tokens,
-                 request_timeout=request_timeout)
-    server, task, address = await _listen(gw, host, port, _Server, log_config=None)
-    return Cohosted(server, task, gw, address)
+                 request_timeout=request_timeout, metrics=GatewayMetrics(registry),
+                 cache_hits=env.OPENAI_CACHE_HITS.get())
+    server, task, address = await _listen(gw, host, port, _Server, log_config=None, **(https or {}))
+    return Cohosted(server, task, gw, address, urls(address, metrics_url, bool(https)))

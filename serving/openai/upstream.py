@@ -15,6 +15,7 @@ import json
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pddjax.addresses import host_of, is_loopback
 from serving import rpc, security
 from serving.pb import router_pb2, router_pb2_grpc
 
@@ -29,7 +30,7 @@ class GrpcUpstream:
     """The router at `address`, over gRPC (an upstream_api.Upstream)."""
 
     def __init__(self, address: str):
-        if security.tls_dir() is None and not security.is_loopback(security.host_of(address)):
+        if security.tls_dir() is None and not is_loopback(host_of(address)):
             raise security.SecurityConfigError(
                 f"the gateway would forward API keys to the router at {address} in plaintext: set "
                 f"{security.TLS_DIR_ENV} (a directory with the CA's ca.pem) or run it on the router's host")
@@ -55,7 +56,7 @@ class GrpcUpstream:
         try:
             r = await self.health.Check(health_pb2.HealthCheckRequest(service=ROUTER_SERVICE), timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            return False, f"{e.code().name.lower()}: {e.details()}"
+            return False, e.code().name.lower()  # not its details: a channel's name the router's address
         name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
         return r.status == health_pb2.HealthCheckResponse.SERVING, name.lower()
 

@@ -33,7 +33,7 @@ class Call(Protocol):
 
 
 class Upstream(Protocol):
-    address: str  # the router's gRPC address (named in /v1/models)
+    address: str  # the router's gRPC address (for the operator's logs: no client is shown it)
 
     def open(self) -> None:
         """Called on the serving event loop before the first request."""

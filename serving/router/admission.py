@@ -8,7 +8,8 @@ waiter, so `inflight` never exceeds the limit.
 
 Deadline: the time left on the client's Generate (`context.time_remaining()`), kept as an
 absolute monotonic time so every downstream RPC (Reserve, Prefill, Decode, Handoff) gets
-`timeout = what is left`; no deadline -> None (no timeout).
+`timeout = what is left`; no deadline -> the server's default; a client's deadline past the
+server's maximum (`[router] max_deadline_s`) is cut to it, so no caller holds a slot longer.
 """
 
 from __future__ import annotations
@@ -34,13 +35,21 @@ class Deadline:
         self.at = None if remaining_s is None else time.monotonic() + max(remaining_s, 0.0)
 
     @classmethod
-    def of(cls, context, default_s: float | None = None) -> Deadline:
-        """The client's deadline, else `default_s` from now (the server's bound on every request)."""
+    def of(cls, context, default_s: float | None = None, max_s: float | None = None) -> Deadline:
+        """The client's deadline, else `default_s` from now (the server's bound on every request),
+        at most `max_s` from now."""
         try:
             remaining = context.time_remaining()
         except Exception:  # noqa: BLE001  (a context without deadlines)
             remaining = None
-        return cls(default_s if remaining is None else remaining)
+        return cls.capped(default_s if remaining is None else remaining, max_s)
+
+    @classmethod
+    def capped(cls, remaining_s: float | None, max_s: float | None) -> Deadline:
+        """`remaining_s` from now, at most `max_s` (None: no bound)."""
+        if max_s is not None:
+            remaining_s = max_s if remaining_s is None else min(remaining_s, max_s)
+        return cls(remaining_s)
 
     def remaining(self) -> float | None:
         return None if self.at is None else max(self.at - time.monotonic(), 0.0)

@@ -120,7 +120,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return [i for p in self.pools.values() for i in p.instances]
 
     async def Generate(self, request, context):
-        r = Request(deadline=Deadline.of(context, self.s.default_deadline_s))  # never unbounded
+        r = Request(deadline=Deadline.of(context, self.s.default_deadline_s, self.s.max_deadline_s))  # bounded
         async with contextlib.aclosing(self._answered(request, r)) as messages:
             try:
                 async for msg in messages:
@@ -135,13 +135,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         What the gRPC port does around its handler, the caller does, in the same order and words:
         the bearer token first (security.bearer_refusal: UNAUTHENTICATED), then the Gate
         (Gate.refusal: UNAVAILABLE while loading or draining), and the deadline: `timeout_s`
-        (None: default_deadline_s) bounds every downstream RPC and the stream as a gRPC client's
-        deadline does, and the caller cancels the generator when it passes (as grpc cancels the
-        handler). A refusal raises RouterRefusal (the grpc.aio.AioRpcError a gRPC client gets);
+        (None: default_deadline_s; at most max_deadline_s) bounds every downstream RPC and the
+        stream as a gRPC client's deadline does, and the caller cancels the generator when it passes
+        (as grpc cancels the handler). A refusal raises RouterRefusal (the grpc.aio.AioRpcError a gRPC client gets);
         closing or cancelling the generator is the client's cancel: every tier released, counted
         CANCELLED (DEADLINE_EXCEEDED past the deadline)."""
-        return self._answered(request, Request(deadline=Deadline(
-            self.s.default_deadline_s if timeout_s is None else timeout_s)))
+        return self._answered(request, Request(deadline=Deadline.capped(
+            self.s.default_deadline_s if timeout_s is None else timeout_s, self.s.max_deadline_s)))
 
     async def _answered(self, request: router_pb2.GenerateRequest, r: Request):
         """`_generate` as both entries serve it: a refusal counted and raised as RouterRefusal

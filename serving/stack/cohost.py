@@ -181,8 +181,9 @@ def _deadline() -> grpc.aio.AioRpcError:
 
 
 async def start(gate: Gate, router_address: str, host: str, port: int, model: str | None, token: str | None,
-                default_max_tokens: int = 256, request_timeout: float | None = 600.0) -> Cohosted:
+                default_max_tokens: int = 256, request_timeout: float | None = 600.0, **gateway) -> Cohosted:
     """The gateway's HTTP port opened on this (the router's) loop in front of the router behind
-    `gate` (503 until it serves); `Cohosted.stop` after the Gate drained."""
+    `gate` (503 until it serves); `Cohosted.stop` after the Gate drained. `gateway`:
+    start_cohosted's keywords (https, the router's metrics registry and URL)."""
     return await start_cohosted(RouterUpstream(gate, router_address, token), host, port, model,
-                                default_max_tokens, request_timeout)
+                                default_max_tokens, request_timeout, **gateway)

@@ -9,7 +9,9 @@ in front of each MD as P reaches it (`main_wan`), as in plain `pddjax up`. Off l
 services listen in plaintext (`insecure` in their tables: the namespaces' addresses are reached
 only from this host) unless a TLS directory is given (--tls / --tls-dir). The state file is
 `pddjax up`'s plus `netns` (namespaces, devices, addresses, shaping; `Topology.state`). On stop
-(and after a crash, at the next start: netns.remove_stale) the namespaces are deleted.
+(and after a crash, at the next start: netns.remove_stale) the namespaces are deleted. Only the
+namespaces are made as root: every service (and the link) runs as an unprivileged user
+(serving/stack/netns_user.py: setpriv after `ip netns exec`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import tempfile
 
 from pddjax.env import DIE_WITH_PARENT, TLS_DIR
 from serving.config import ENGINE_ROLES
-from serving.stack import netns
+from serving.stack import netns, netns_user
 from serving.stack.up import (
     Child,
     cohosted_openai_args,
@@ -45,10 +47,10 @@ def cluster_stack(stack: dict) -> dict:
     return {**stack, **{r: {**stack.get(r, {}), "host": h, "insecure": True} for r, h in hosts.items()}}
 
 
-def spawn_link(topo: netns.Topology, target: str, latency_ms: float, workdir: str, k: int, log) -> Child:
-    """A latency-only userspace link in cluster A in front of MD `target` (no netem here)."""
+def spawn_link(wrap: list[str], target: str, latency_ms: float, workdir: str, k: int, log) -> Child:
+    """A latency-only userspace link in cluster A (behind `wrap`) in front of MD `target` (no netem here)."""
     ready = os.path.join(workdir, f"wan{k}.ready.json")
-    cmd = [*topo.wrap("a"), sys.executable, "-m", "serving.stack.netns_up", "link", "--target", target,
+    cmd = [*wrap, sys.executable, "-m", "serving.stack.netns_up", "link", "--target", target,
            "--latency-ms", str(latency_ms), "--port", "0", "--ready-file", ready]
     env = {**os.environ, DIE_WITH_PARENT.name: "1"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
@@ -56,7 +58,7 @@ def spawn_link(topo: netns.Topology, target: str, latency_ms: float, workdir: st
 
 
 async def run_netns_stack(stack: dict, port: int, state_file: str | None, instances: tuple[int, int, int] = (1, 1, 1),
-                          openai_port: int = 0) -> int:
+                          openai_port: int = 0, service_user: str = netns_user.SERVICE_USER) -> int:
     wan = stack.get("wan", {})
     mbps, latency_ms = float(wan.get("mbps", 0) or 0), float(wan.get("latency_ms", 0) or 0)
     topo = netns.create(mbps, latency_ms)
@@ -65,19 +67,27 @@ async def run_netns_stack(stack: dict, port: int, state_file: str | None, instan
     stop = stop_on_signals()
     log = open(os.path.join(workdir, "services.log"), "ab")
     try:
+        user = netns_user.prepare(workdir, service_user)  # the services' user (the namespaces needed root)
+        if user.uid == 0:
+            print("pddjax up --netns: warning: the services run as root (--netns-user root)", file=sys.stderr,
+                  flush=True)
+
+        def wrap(side: str) -> list[str]:
+            return [*topo.wrap(side), *user.prefix()]
+
         peers_file = os.path.join(workdir, "prefill-kv-peers.json")
         stack = cluster_stack(stack)
         stack["prefill"]["kv_peers_file"] = peers_file
         cfg_path = os.path.join(workdir, "stack.json")
         write_json(cfg_path, stack)
-        children = [spawn(r, cfg_path, workdir, log=log, name=f"{r}{k}", wrap=topo.wrap("b" if r == "main" else "a"))
+        children = [spawn(r, cfg_path, workdir, log=log, name=f"{r}{k}", wrap=wrap("b" if r == "main" else "a"))
                     for r, n in zip(ENGINE_ROLES, instances) for k in range(n)]
         if not await ready_unless_stopped(children, stop):
             return 130
         addr = {r: [c.address for c in children if c.role == r] for r in ENGINE_ROLES}
         wan_addrs = list(addr["main"])  # P -> MD straight over the veth, unless latency needs the userspace link
         if latency_ms and not topo.latency_by_kernel:
-            links = [spawn_link(topo, a, latency_ms, workdir, k, log) for k, a in enumerate(addr["main"])]
+            links = [spawn_link(wrap("a"), a, latency_ms, workdir, k, log) for k, a in enumerate(addr["main"])]
             await wait_ready(links, timeout=60)
             children += links
             wan_addrs = [lk.address for lk in links]
@@ -86,7 +96,7 @@ async def run_netns_stack(stack: dict, port: int, state_file: str | None, instan
                                       "main": addr["main"], "main_wan": wan_addrs}}
         rcfg = os.path.join(workdir, "router.json")
         write_json(rcfg, rstack)
-        router = spawn("router", rcfg, workdir, port=port, log=log, wrap=topo.wrap("a"),
+        router = spawn("router", rcfg, workdir, port=port, log=log, wrap=wrap("a"),
                        args=cohosted_openai_args(openai_port, netns.HOST_A))  # the gateway in the router's process
         children.append(router)
         await wait_ready([router], timeout=120)

@@ -9,7 +9,8 @@ link's; the router is not told the link's rate unless `[router] wan_mbps` or
 `--wan-capacity-mbps` says so: it probes the link it is given, as in a real deployment), start
 the OpenAI-compatible gateway with it, in the router's process (`serve router --openai-port`,
 `up --openai-port`), write the state file
-  {"services": [{"role", "pid", "address", "metrics" (its /metrics URL)}], "wan": {...}, "wans": [...],
+  {"services": [{"role", "pid", "address", "metrics" (its /metrics URL), "startup" (its phases)}],
+   "wan": {...}, "wans": [...],
    "router": ADDRESS, "openai": "http://HOST:PORT/v1", "openai_service": {"pid" (the router's), "address", "metrics"},
    "tls_dir": the TLS directory or null (clients need its ca.pem)}
 P may push KV only to RLD and the links (`[prefill] kv_peers_file`, written once they listen).
@@ -47,12 +48,13 @@ class Child:
         self.cmd, self.env, self.log = cmd, env, log
         self.address: str | None = None
         self.metrics: str | None = None  # its Prometheus endpoint (from the ready file)
+        self.startup: dict | None = None  # where its start went (the ready file's `startup`: startup_clock.py)
         self.restarting = False  # relaunched, not ready yet (supervise.py)
 
     def read_ready(self) -> None:
         with open(self.ready_file) as f:
             ready = json.load(f)
-        self.address, self.metrics = ready["address"], ready.get("metrics")
+        self.address, self.metrics, self.startup = ready["address"], ready.get("metrics"), ready.get("startup")
 
     def relaunch(self) -> None:
         """The same command with `--port` set to the port it listened on (peers keep its address)."""
@@ -82,20 +84,40 @@ def spawn(role: str, config_path: str, workdir: str, port: int = 0, log=None, na
     return Child(role, proc, ready, cmd, env, log)
 
 
+PROGRESS_SECONDS = 20.0  # a line on the services still starting, this often
+
+
 async def wait_ready(children: list[Child], timeout: float | None = None) -> None:
     """Every child's address from its ready file, within `timeout` s (default PDDJAX_READY_SECONDS:
     each service precompiles its step shape set first, tens of seconds from a warm compile cache,
     minutes on a fresh machine: about 5 min for the real model's 110 variants on 2 loaded cores)."""
-    deadline = time.monotonic() + (READY_SECONDS.get() if timeout is None else timeout)
+    t0 = time.monotonic()
+    timeout = READY_SECONDS.get() if timeout is None else timeout
+    said = t0
     while any(c.address is None for c in children):
         for c in children:
             if c.address is None and os.path.exists(c.ready_file):
                 c.read_ready()
+                print(f"pddjax up: {c.role} ready after {time.monotonic() - t0:.0f} s{built(c.startup)}", flush=True)
             if c.proc.poll() is not None and c.address is None:
                 raise UserError(f"the {c.role} service exited with code {c.proc.returncode} while starting")
-        if time.monotonic() > deadline:
+        if time.monotonic() - t0 > timeout:
             raise UserError(f"services did not become ready within {timeout:.0f} s")
+        if time.monotonic() - said > PROGRESS_SECONDS:
+            said = time.monotonic()
+            waiting = ", ".join(c.role for c in children if c.address is None)
+            print(f"pddjax up: {waiting} still loading and compiling ({said - t0:.0f} s; a cold compile cache "
+                  f"takes longest)", flush=True)
         await asyncio.sleep(0.1)
+
+
+def built(startup: dict | None) -> str:
+    """', 6 of 110 step shapes built (104 more in the background)' from a service's `startup`."""
+    if not startup or "stated" not in startup:
+        return ""
+    rest = startup.get("background_total", 0)
+    return (f", {startup['shapes']} of {startup['stated']} step shapes built"
+            + (f" ({rest} more in the background)" if rest else ""))
 
 
 def stop_all(children: list[Child], grace: float = 5.0) -> None:
@@ -174,8 +196,8 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
 
         def state():
             wans = [{"address": w, "target": a, **lk.stats()} for w, a, lk in zip(wan_addrs, addr["main"], links)]
-            return {"services": [{"role": c.role, "pid": c.proc.pid, "address": c.address, "metrics": c.metrics}
-                                 for c in children],
+            return {"services": [{"role": c.role, "pid": c.proc.pid, "address": c.address, "metrics": c.metrics,
+                                  "startup": c.startup} for c in children],
                     "router": router.address, "wan": wans[0], "wans": wans, "log": log.name, **gateway,
                     "openai_service": {**gateway["openai_service"], "pid": router.proc.pid},  # after a restart too
                     "tls_dir": TLS_DIR.get()}

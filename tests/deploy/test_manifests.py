@@ -8,68 +8,23 @@ Skipped, with the reason, where kubectl is missing."""
 
 from __future__ import annotations
 
-import copy
 import os
-import shutil
-import subprocess
 import tomllib
+from unittest import mock
 
 import pytest
-import yaml
 
+from pddjax import env
 from serving import security
 from serving.certs import make_dev_certs
 from serving.cli import build_parser
 from serving.config import ENGINE_ROLES, service_config
+from serving.openai.server import plaintext_problem
 from serving.stack import probes
-from serving.stack.server import DRAIN_SECONDS, SERVICES
-from tests.support.paths import ROOT
+from serving.stack.server import SERVICES, drain_budget
+from tests.support.kustomize import DEPLOY, KUBECTL, kustomizations, of_kind, pods, render
 
-DEPLOY = os.path.join(ROOT, "deploy")
-KUBECTL = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed: the manifests were not rendered")
-
-
-def kustomizations(deployable: bool = False) -> list[str]:
-    """Every directory under deploy/ that is a Kustomization (components render only inside one);
-    `deployable`: those that generate the stack ConfigMap (the rest are base/'s parts)."""
-    out = []
-    for d, _, files in os.walk(DEPLOY):
-        if "kustomization.yaml" in files:
-            with open(os.path.join(d, "kustomization.yaml")) as f:
-                k = yaml.safe_load(f)
-            if k["kind"] == "Kustomization" and (not deployable or "stack.toml" in os.listdir(d)
-                                                 or "../../overlays/" in str(k.get("resources"))):
-                out.append(os.path.relpath(d, DEPLOY))
-    return sorted(out)
-
-
-def render(path: str) -> list[dict]:
-    run = subprocess.run([KUBECTL, "kustomize", path], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, f"kubectl kustomize {path}: {run.stderr}"
-    return [d for d in yaml.safe_load_all(run.stdout) if d]
-
-
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, list[dict]]:
-    return {k: render(os.path.join(DEPLOY, k)) for k in kustomizations()}
-
-
-@pytest.fixture(scope="module")
-def lws_rendered(tmp_path_factory) -> list[dict]:
-    """overlays/cluster-b with its commented components/lws-main line switched on."""
-    copy = tmp_path_factory.mktemp("deploy") / "deploy"
-    shutil.copytree(DEPLOY, copy)
-    path = copy / "overlays" / "cluster-b" / "kustomization.yaml"
-    text = path.read_text()
-    on = text.replace("# components:\n#   - ../../components/lws-main", "components:\n  - ../../components/lws-main")
-    assert on != text, "overlays/cluster-b no longer carries the commented lws-main component"
-    path.write_text(on)
-    return render(str(copy / "overlays" / "cluster-b"))
-
-
-def of_kind(docs, kind):
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
 def stack_of(docs) -> dict:
@@ -94,19 +49,6 @@ def mounted(pod: dict, container: dict, path: str) -> tuple[dict, str]:
             (vol,) = [v for v in pod["volumes"] if v["name"] == m["name"]]
             return vol, os.path.basename(path)
     raise AssertionError(f"{path} is on no volume of {container['name']}")
-
-
-def pods(docs):
-    """(role, pod spec, pod labels) of every Deployment and every LeaderWorkerSet template."""
-    for d in docs:
-        if d["kind"] == "Deployment":
-            yield d["metadata"]["labels"]["app.kubernetes.io/component"], d["spec"]["template"], "deployment"
-        if d["kind"] == "LeaderWorkerSet":  # with the label the LWS controller puts on each pod
-            t, role = d["spec"]["leaderWorkerTemplate"], d["metadata"]["labels"]["app.kubernetes.io/component"]
-            for kind, index in (("leader", "0"), ("worker", "1")):
-                pod = copy.deepcopy(t[f"{kind}Template"])
-                pod["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] = index
-                yield role, pod, kind
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +80,8 @@ def check_grpc_pod(role: str, pod: dict, kind: str, stack: dict, written) -> Non
     if getattr(args, "coordinator", None):  # a multi-host group: the flags as `pddjax serve` applies them
         from serving.cli.serve import _apply_multihost_flags
 
-        _apply_multihost_flags(args, cfg)
+        with mock.patch.dict(os.environ, {security.TLS_DIR_ENV: env_of(c).get(security.TLS_DIR_ENV, "")}):
+            _apply_multihost_flags(args, cfg)  # (across hosts the op channel needs the pod's TLS directory)
         assert cfg.num_processes > 1 and cfg.process_id == int(kind == "worker")
         assert ports_of(c)["coordinator"] == int(cfg.coordinator_address.rsplit(":", 1)[1])
     vol, key = mounted(spec, c, args.config)
@@ -153,7 +96,7 @@ def check_grpc_pod(role: str, pod: dict, kind: str, stack: dict, written) -> Non
     assert tls_vol["secret"]["secretName"] == f"pddjax-tls-{role}"
     assert {i["key"] for i in tls_vol["secret"]["items"]} == tls_files(role, written)
     assert {i["path"] for i in tls_vol["secret"]["items"]} == tls_files(role, written)
-    assert spec["terminationGracePeriodSeconds"] > DRAIN_SECONDS
+    assert spec["terminationGracePeriodSeconds"] > drain_budget(openai=role == "router"), role  # its whole drain
     if role == "router":
         tok_vol, name = mounted(spec, c, env[security.TOKEN_FILE_ENV])
         assert name in {i["path"] for i in tok_vol["secret"]["items"]}
@@ -236,7 +179,14 @@ def test_the_gateway_points_at_the_router_and_serves_what_its_probes_ask(rendere
         assert args.router == service_address(docs, "router")
         assert args.model == stack_of(docs)["model"]
         assert ports_of(c)["http"] == args.port
-        assert {c["readinessProbe"]["httpGet"]["path"], pod["metadata"]["annotations"]["prometheus.io/path"]} <= paths
+        assert c["readinessProbe"]["httpGet"]["path"] in paths and "/metrics" not in paths
+        annotations = pod["metadata"]["annotations"]  # its metrics: their own port, not the public one
+        assert annotations["prometheus.io/port"] == env_of(c)[env.METRICS_PORT.name] == str(ports_of(c)["metrics"])
+        https = bool(args.https_cert and args.https_key)  # the files: mounted from the Secret
+        assert plaintext_problem(args.host, args.insecure, token=True, https=https) is None  # it would start
+        assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+        for path in (args.https_cert, args.https_key):
+            assert mounted(pod["spec"], c, path)[0]["secret"]["secretName"] == "pddjax-openai-https"
         vol, name_ = mounted(pod["spec"], c, os.path.join(env_of(c)[security.TLS_DIR_ENV], "ca.pem"))
         assert [i["path"] for i in vol["secret"]["items"]] == [name_] == ["ca.pem"]  # the CA only, no key
         for k, v in env_of(c).items():

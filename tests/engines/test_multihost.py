@@ -40,18 +40,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(args: list[str], devices: int, out) -> subprocess.Popen:
+def spawn(args: list[str], devices: int, out, tls_dir=None) -> subprocess.Popen:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-           "PDDJAX_HEARTBEAT_SECONDS": "10"}
+           "PDDJAX_HEARTBEAT_SECONDS": "10", **({"PDDJAX_TLS_DIR": str(tls_dir)} if tls_dir else {})}
     return subprocess.Popen([sys.executable, "-m", "tests.engines.test_multihost", *args],
                             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
-def run_pair(tmp_path, case: str, devices: int = 1, extra: str = "") -> tuple[list[int], list[str]]:
-    """Both processes of one case -> (exit codes, outputs); each is killed past LIMIT_S."""
+def run_pair(tmp_path, case: str, devices: int = 1, extra: str = "", tls_dir=None) -> tuple[list[int], list[str]]:
+    """Both processes of one case -> (exit codes, outputs); each is killed past LIMIT_S. `tls_dir`:
+    the op channel is mutual TLS with its `main` certificates."""
     coord = f"127.0.0.1:{free_port()}"
     logs = [open(tmp_path / f"{case}-{i}.log", "w+") for i in range(2)]
-    procs = [spawn([case, coord, str(i), str(devices), extra], devices, logs[i]) for i in range(2)]
+    procs = [spawn([case, coord, str(i), str(devices), extra], devices, logs[i], tls_dir) for i in range(2)]
     deadline = time.monotonic() + LIMIT_S
     codes = []
     for p in procs:
@@ -92,7 +93,11 @@ def test_multihost_settings_come_from_the_role_table_and_the_flags():
     cfg = service_config(stack, "main")
     assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id) == ("10.0.0.1:8476", 2, 0)
     assert service_config({}, "relay").num_processes == 1
-    _apply_multihost_flags(argparse.Namespace(coordinator="lead:9", num_processes=4, process_id=3), cfg)
+    flags = argparse.Namespace(coordinator="lead:9", num_processes=4, process_id=3)
+    with pytest.raises(UserError, match="op channel in plaintext across hosts"):  # no TLS directory here
+        _apply_multihost_flags(flags, cfg)
+    cfg.insecure = True
+    _apply_multihost_flags(flags, cfg)
     assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id) == ("lead:9", 4, 3)
     for bad, says in ((dict(process_id=2), "process_id must be in"), (dict(coordinator_address=None), "HOST:PORT"),
                       (dict(coordinator_address="nohost"), "HOST:PORT"), (dict(num_processes="x"), "an integer")):
@@ -118,25 +123,33 @@ def test_an_engine_over_two_processes_matches_the_reference(tiny, tmp_path, devi
 
 @pytest.mark.parametrize("dies", [0, 1], ids=["leader dies", "follower dies"])
 def test_a_process_whose_peer_dies_exits_with_one_sentence(tmp_path, dies):
+    """Over mutual TLS (the engine cases run the loopback default: the key's challenge only)."""
+    from serving.certs import make_dev_certs
+
+    make_dev_certs(str(tmp_path / "tls"))
     t0 = time.monotonic()
-    codes, outs = run_pair(tmp_path, "die", extra=str(dies))
+    codes, outs = run_pair(tmp_path, "die", extra=str(dies), tls_dir=tmp_path / "tls")
+    assert "1 follower(s) joined the op channel over mutual TLS" in outs[0], outs[0]
     survivor = 1 - dies
     assert codes[dies] == 1 and codes[survivor] == 3, (codes, outs)
     assert ("the leader is gone" if dies == 0 else "follower process 1 is gone") in outs[survivor], outs[survivor]
     assert time.monotonic() - t0 < 60  # the channel's end, not JAX's heartbeat timeout
 
 
-def test_main_over_two_processes_serves_from_process_0_only(tiny, tmp_path):
+def test_main_over_two_processes_serves_from_process_0_only(tiny, tmp_path, monkeypatch):
     """`pddjax serve main` as process 0 (config) and 1 (flags), tensor_parallel 2 over one device
-    each: only process 0 listens; a Reserve + PushKV (P's KV and first token) + Decode there gives
-    the reference's tokens; SIGTERM on process 0 drains it, stops its follower, and both exit 0.
+    each, with a TLS directory: only process 0 listens; its op channel is mutual TLS (the service
+    wiring hands `main`'s certificates to engines/multihost.py); a Reserve + Decode as the router
+    and a PushKV as P (P's KV and first token) give the reference's tokens; SIGTERM on process 0
+    drains it, stops its follower, and both exit 0.
     (2 devices each, tensor_parallel 4, KV replicated: passes too, 68 s here; not run, for time.)"""
     import asyncio
 
     import grpc
     import psutil
 
-    from serving import kvwire, rpc
+    from serving import kvwire, rpc, security
+    from serving.certs import make_dev_certs
     from serving.pb import cluster_pb2, cluster_pb2_grpc
     from tests.support.inprocess import aiter, prefill_runs
 
@@ -152,17 +165,23 @@ def test_main_over_two_processes_serves_from_process_0_only(tiny, tmp_path):
     cfg.write_text(json.dumps(stack))
     serve = [sys.executable, "-m", "serving", "serve", "main", "--config", str(cfg)]
     logs = [open(tmp_path / f"serve-{i}.log", "w+") for i in range(2)]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PDDJAX_HEARTBEAT_SECONDS": "10"}
+    make_dev_certs(str(tmp_path / "tls"))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PDDJAX_HEARTBEAT_SECONDS": "10",
+           "PDDJAX_TLS_DIR": str(tmp_path / "tls")}
     procs = [subprocess.Popen(serve + ["--ready-file", str(ready)], stdout=logs[0], stderr=subprocess.STDOUT, env=env),
              subprocess.Popen(serve + ["--process-id", "1"], stdout=logs[1], stderr=subprocess.STDOUT, env=env)]
 
+    def as_role(role: str, address: str):
+        return grpc.aio.secure_channel(address, security.channel_credentials(role))
+
     async def decode(address: str) -> list[int]:
-        async with grpc.aio.insecure_channel(address) as ch:
+        async with as_role("router", address) as ch, as_role("prefill", address) as pch:
             stub = cluster_pb2_grpc.DecodeStub(ch)
             spec = cluster_pb2.SequenceSpec(request_id="r", prompt=p, sampling=rpc.sampling_to_pb(params),
                                             max_tokens=10)
             await stub.Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=False), timeout=30)
-            await stub.PushKV(aiter(kvwire.chunks("r", run, 0, [want[0]], 4096)), timeout=30)
+            await cluster_pb2_grpc.DecodeStub(pch).PushKV(aiter(kvwire.chunks("r", run, 0, [want[0]], 4096)),
+                                                          timeout=30)
             out = []
             async for batch in stub.Decode(cluster_pb2.DecodeRequest(request_id="r"), timeout=60):
                 out += list(batch.token_ids)
@@ -174,6 +193,8 @@ def test_main_over_two_processes_serves_from_process_0_only(tiny, tmp_path):
             assert time.monotonic() < deadline and all(q.poll() is None for q in procs), read(logs)
             time.sleep(0.5)
         address = json.loads(ready.read_text())["address"]
+        monkeypatch.setenv(security.TLS_DIR_ENV, str(tmp_path / "tls"))
+        security.clear_caches()
         listening = [{c.laddr.port for c in psutil.Process(q.pid).net_connections("tcp")
                       if c.status == psutil.CONN_LISTEN} for q in procs]
         got = asyncio.run(decode(address))
@@ -182,8 +203,10 @@ def test_main_over_two_processes_serves_from_process_0_only(tiny, tmp_path):
     finally:
         for q in procs:
             q.kill()
+        security.clear_caches()
     outs = read(logs)
     assert got == want
+    assert "1 follower(s) joined the op channel over mutual TLS" in outs[0], outs[0][-2000:]
     assert codes == [0, 0], outs
     assert int(address.rsplit(":", 1)[1]) in listening[0] and int(address.rsplit(":", 1)[1]) not in listening[1]
     assert "loading on" not in outs[1] and "serving on" not in outs[1]  # (its listening sockets are gloo's)
@@ -205,10 +228,13 @@ def _join(coord: str, pid: int):
     from pddjax.model.jax_setup import configure
 
     configure("cpu")
+    from pddjax import env
     from pddjax.engines import multihost
+    from serving.stack.server import op_channel_tls
 
+    tls = op_channel_tls("main") if env.TLS_DIR.get() else None  # (the service's own wiring)
     multihost.initialize(coord, 2, pid)
-    return multihost.Leader.open(coord, 2) if pid == 0 else multihost.Follower.connect(coord, pid)
+    return multihost.Leader.open(coord, 2, tls=tls) if pid == 0 else multihost.Follower.connect(coord, pid, tls=tls)
 
 
 def _engine(leader, degree: int):

@@ -155,3 +155,66 @@ def test_fp8_codes_round_as_ml_dtypes_does():
     y = np.concatenate([rng.uniform(-448, 448, 20_000), rng.standard_normal(20_000) * 0.01, table, -table, mids,
                         -mids, np.nextafter(mids, 0), np.nextafter(mids, 448), [-0.0]]).astype(np.float32)
     assert np.array_equal(codec.e4m3_codes(y), y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
+def _poisoned(fmt: str, dtype, how: str) -> tuple[codec.Encoded, str]:
+    """A piece whose decoded values hold a NaN or an inf, each in the way `fmt` can carry one."""
+    k, v = piece(20, seed=9, dtype=dtype)
+    if how in ("nan", "inf"):
+        k[1, 3, 0, 2] = np.nan if how == "nan" else np.inf
+    enc = codec.encode(k, v, 0, fmt, S)
+    if how == "nan_code":  # fp8's NaN code under finite scales
+        kb = bytearray(enc.k)
+        kb[7] = 0x7F
+        enc = codec.Encoded(bytes(kb), enc.v, enc.scales)
+    elif how == "huge_scale":  # int8 codes are finite; code x scale overflows float32
+        enc = codec.Encoded(enc.k, enc.v, np.full(len(enc.scales) // 4, 3e38, np.float32).tobytes())
+    return enc, np.dtype(dtype).name
+
+
+@pytest.mark.parametrize("fmt,dtype,how,out", [
+    ("native", np.float32, "nan", None), ("native", np.float32, "inf", None),
+    ("native", ml_dtypes.bfloat16, "nan", None), ("native", np.float16, "inf", None),
+    ("native+zstd", np.float32, "nan", None), ("bf16", np.float32, "nan", None),
+    ("fp8", np.float32, "nan_code", None), ("fp8+zstd", np.float32, "nan_code", None),
+    ("int8", np.float32, "huge_scale", None),
+    ("bf16", np.float32, "big", "float16")])  # finite on the wire, past float16's range in the pool's dtype
+def test_non_finite_values_are_refused(fmt, dtype, how, out):
+    if how == "big":
+        k, v = piece(20, seed=9)
+        k[0, 0, 0, 0] = 1e6
+        enc, source = codec.encode(k, v, 0, fmt, S), "float32"
+    else:
+        enc, source = _poisoned(fmt.partition("+")[0], dtype, how)
+        if fmt.endswith("+zstd"):
+            z = zstandard.ZstdCompressor()
+            enc = codec.Encoded(z.compress(enc.k), z.compress(enc.v), enc.scales)
+    with pytest.raises(codec.CodecError, match="not finite"):
+        codec.decode(enc, fmt, source, (L, 20, K, D), 0, S, out)
+
+
+def test_a_zstd_frame_expands_at_most_to_the_piece():
+    """A frame that names no size is read through a buffer of the piece's size + 1: the right
+    size decodes, a bomb (64 MiB of zeros from ~2 KiB) is refused having allocated ~the piece."""
+    import tracemalloc
+
+    k, v = piece(20)
+    enc = codec.encode(k, v, 0, "native", S)
+
+    def unsized(data: bytes) -> bytes:  # a streaming compressor's frame: no content size in its header
+        c = zstandard.ZstdCompressor().compressobj()
+        return c.compress(data) + c.flush()
+    assert zstandard.get_frame_parameters(unsized(enc.k)).content_size == zstandard.CONTENTSIZE_UNKNOWN
+    got_k, _ = codec.decode(codec.Encoded(unsized(enc.k), unsized(enc.v), b""), "native+zstd", "float32", k.shape,
+                            0, S)
+    assert np.array_equal(got_k, k)
+    bomb = unsized(bytes(64 << 20))
+    assert len(bomb) < 16 << 10
+    tracemalloc.start()
+    try:
+        with pytest.raises(codec.CodecError, match="more than"):
+            codec.decode(codec.Encoded(bomb, unsized(enc.v), b""), "native+zstd", "float32", k.shape, 0, S)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(enc.k) + (256 << 10), peak  # the piece's bytes, not 64 MiB

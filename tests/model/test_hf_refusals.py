@@ -5,32 +5,14 @@ file, a missing, unexpected, misshapen or integer tensor."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import shutil
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from pddjax.model.registry import CheckpointError, ModelNotFound, load_model
-from serving.cli import main
-from tests.support.paths import FIXTURES
-
-
-def copy_fixture(tmp_path, arch: str) -> str:
-    dst = str(tmp_path / arch)
-    shutil.copytree(os.path.join(FIXTURES, "hf", arch), dst)
-    return dst
-
-
-def edit_config(path: str, **changes) -> None:
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg.update(changes)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+from pddjax.model.registry import load_model
+from tests.support.checkpoints import copy_fixture, edit_config, refused
 
 
 def edit_tensors(path: str, edit) -> None:
@@ -38,25 +20,6 @@ def edit_tensors(path: str, edit) -> None:
     tensors = load_file(file)
     edit(tensors)
     save_file(tensors, file)
-
-
-def one_sentence(msg: str) -> bool:
-    return "\n" not in msg and "Traceback" not in msg and len(re.findall(r"[.!?]\s", msg + " ")) <= 1
-
-
-def refused(path: str, capsys, *words: str) -> str:
-    """load_model refuses `path` with one sentence holding `words`, and the CLI exits 2 saying it."""
-    with pytest.raises((CheckpointError, ModelNotFound)) as e:
-        load_model(path, use_cache=False)
-    msg = str(e.value)
-    assert one_sentence(msg), msg
-    for w in words:
-        assert w in msg, msg
-    capsys.readouterr()
-    rc = main(["generate", "--model", path, "--prompt-ids", "1,2", "--max-tokens", "1", "--json"])
-    out = capsys.readouterr()
-    assert rc == 2 and out.err.strip() == f"pddjax: error: {msg}" and not out.out
-    return msg
 
 
 def test_unknown_architecture(tmp_path, capsys):

@@ -30,7 +30,8 @@ from serving.config import (
 from serving.stack.wanlink import WanLink
 from tests.support.paths import CONFIGS, ROOT
 
-TOP = ("model", "platform", "host", "insecure", "reflection")  # top-level keys; every role table may override them
+# top-level keys; every role table may override them
+TOP = ("model", "platform", "host", "insecure", "reflection", "max_concurrent_rpcs")
 SHIPPED = sorted(glob.glob(os.path.join(CONFIGS, "*.toml"))
                  + glob.glob(os.path.join(ROOT, "deploy", "**", "stack.toml"), recursive=True))
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+from serving.bench.serve.compiles import wait_built
 from serving.stack.up import Child, spawn, stop_all, wait_ready
 from serving.stack.wanlink import WanLink
 
@@ -49,6 +50,7 @@ class Stack:
                 json.dump(stack, f)
             self.children = [spawn(r, cfg, workdir, log=self.log) for r in ("prefill", "relay", "main")]
             asyncio.run(wait_ready(self.children, timeout))
+            wait_built({c.role: c.metrics for c in self.children}, timeout)  # tests start on the whole shape set
             self.addr = {c.role: c.address for c in self.children}
             self.link = LinkThread(self.addr["main"])
             rstack = {**stack, "router": {**stack.get("router", {}), "prefill": self.addr["prefill"],
@@ -90,6 +92,8 @@ class UpProcess:
                 time.sleep(0.2)
             with open(state_file) as f:
                 self.state = json.load(f)
+            wait_built({s["role"]: s.get("metrics") for s in self.state["services"] if s["role"] != "router"},
+                       max(10.0, deadline - time.monotonic()))
         except BaseException:
             self.close()
             raise

@@ -10,10 +10,12 @@ stall (a long TTFT, or a gap in the stream)."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 AFTER_READY = "pddjax_jit_compiles_after_ready"
 COMPILES = "pddjax_jit_compiles"
+PENDING = "pddjax_jit_background_pending"  # step shapes a service ([engine] ready = "cover") still builds
 
 
 def parse(text: str) -> dict[str, float]:
@@ -78,3 +80,19 @@ def during(before: dict[str, dict], after: dict[str, dict]) -> dict[str, int | N
     return {role: (max(0, int(round(a[COMPILES] - before.get(role, {})[COMPILES])))
                    if COMPILES in a and COMPILES in before.get(role, {}) else None)
             for role, a in after.items()}
+
+
+def wait_built(urls: dict[str, str | None], timeout: float = 600.0) -> float:
+    """Wait until no engine service has step shapes left to build in the background (its
+    `pddjax_jit_background_pending` gauge 0, or absent: a service that built all before SERVING)
+    -> seconds waited. Measurements of a steady state start after it: a background compile
+    shares the cores with the steps. TimeoutError (one sentence) past `timeout`."""
+    t0 = time.monotonic()
+    while True:
+        left = {role: (scrape(url) or {}).get(PENDING, 0) for role, url in urls.items() if url}
+        if not any(left.values()):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"services still building step shapes after {timeout:.0f} s: "
+                               + ", ".join(f"{r} {int(n)} left" for r, n in left.items() if n))
+        time.sleep(0.2)

@@ -10,7 +10,8 @@ The two phases are `replay.replay`'s: the history turns unmeasured (as fast as t
 then the measured turns paced by arrival and think time; the figures are `bench serve`'s
 (`figures.mode_figures`, one mode named `openai`; no WAN bytes: the line is the server's).
 With pddjax behind the URL the `pddjax` extension fills the pipeline, the relay/main split and
-the caches' hits; elsewhere they stay empty.
+(when its gateway runs with PDDJAX_OPENAI_CACHE_HITS=1, the operator's opt-in) the caches' hits;
+elsewhere they stay empty.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ class BenchStack:
             self.children = [spawn(r, cfg, workdir, log=self.log, cpus=self.cpus.get(r))
                              for r in ("prefill", "relay", "main")]
             asyncio.run(wait_ready(self.children, timeout))
-            self.compiles_at_ready = compiles.read(self.engines())  # the moment the stack reported ready
+            compiles.wait_built(self.engines(), timeout)  # a steady state: no background compile beside the steps
+            self.compiles_at_ready = compiles.read(self.engines())  # the moment the stack was built
             addr = {c.role: c.address for c in self.children}
             self.link = LinkThread(addr["main"], stack.get("wan", {}))
             rstack = {**stack, "router": {**stack.get("router", {}), "prefill": addr["prefill"],

@@ -8,13 +8,14 @@ requires a bearer token (`--auth-token-file`), which is the API key; `max_inflig
   - completions (token-id and text prompts) and chats, streamed and not, greedy and seeded,
     equal token for token (and in text) to the router's own gRPC answer to the same request;
   - usage: prompt / completion / total tokens, cached_tokens on a session's second turn (the
-    session named by the `x-session-id` header), the pddjax extension's relay/main split;
+    session named by the `x-session-id` header; this stack opts in: PDDJAX_OPENAI_CACHE_HITS=1),
+    the pddjax extension's relay/main split;
   - stop strings cut the text where the router cuts it (finish_reason stop);
   - errors in OpenAI's shape: 400 (ours and the router's), 401, 404, 429, 503 (router
     unreachable), 504 (deadline);
   - a client that disconnects mid-stream cancels the request: every tier idle, the router
     counts it CANCELLED;
-  - /health, /v1/models, /metrics;
+  - /health, /v1/models, the gateway's metrics (on the router's metrics endpoint);
   - the gateway runs in the router's process (`pddjax up` co-hosts it), which loads no JAX.
 """
 
@@ -33,6 +34,7 @@ import httpx
 import openai
 import pytest
 
+from pddjax import env
 from serving.client import Client, make_request
 from serving.pb import cluster_pb2, cluster_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.support.paths import ROOT
@@ -78,7 +80,9 @@ def start_up(request, d):
     (d / "token").write_text(TOKEN)
     stack = {"model": model, "platform": "cpu", "engine": ENGINE, "wan": {"mbps": 0, "latency_ms": WAN_MS},
              "router": {"chunk_bytes": 4096, "max_inflight": 4, "max_queue": 0}}
-    u = launch_up(d, stack, "--auth-token-file", str(d / "token"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(env.OPENAI_CACHE_HITS.name, "1")  # the operator's opt-in: cached_tokens told (one test reads them)
+        u = launch_up(d, stack, "--auth-token-file", str(d / "token"))
     u.model_path = model
     return u
 

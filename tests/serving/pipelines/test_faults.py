@@ -318,6 +318,9 @@ def test_byte_flip_on_the_wan_is_detected_never_decoded(stack, ref):
     r = run(stack, make_request(p, max_tokens=16, pipeline="pdd", ignore_eos=True))
     stack.on_links("clear_faults")
     assert r.code is None and r.tokens == greedy(ref, p, 16) and set(r.sources) == {"relay"}, (r.code, r.details)
+    deadline = time.monotonic() + 10  # P's push fails on its own task: it may end after RLD's answer
+    while stack.stats()["counters"].get("transfer_failed.main.DATA_LOSS", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert stack.stats()["counters"].get("transfer_failed.main.DATA_LOSS", 0) >= 1
 
     stack.on_links("inject", A_TO_B, flip_at=2000)

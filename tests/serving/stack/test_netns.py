@@ -3,8 +3,9 @@ network namespaces, joined by a kernel-shaped veth pair (serving/stack/netns.py)
 start (tiny model): a pdd request through the router is token-exact against the monolithic
 reference and hands over to MD, and the WAN veth's interface counters show at least the
 request's KV crossing A -> B (so KV really crossed a network interface, not a loopback
-proxy). Also: a stale namespace of a dead `up` is removed at start, and every namespace is gone
-after the stack stops. Skipped, with the reason, where namespaces are not permitted."""
+proxy). Also: every service runs unprivileged (uid, gid, groups and capabilities not root's),
+a stale namespace of a dead `up` is removed at start, and every namespace is gone after the
+stack stops. Skipped, with the reason, where namespaces are not permitted."""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ import json
 import os
 import re
 import subprocess
+import sys
 import urllib.request
 
 import numpy as np
 import pytest
 
 from pddjax.engines.reference import ReferenceEngine
+from pddjax.errors import UserError
 from pddjax.model.sampling_params import SamplingParams
 from serving.client import Client, make_request
-from serving.stack import netns
+from serving.stack import netns, netns_user
 from tests.support.paths import CONFIGS
 from tests.support.serving_stack import launch_up, pid_alive
 
@@ -30,6 +33,19 @@ pytestmark = [pytest.mark.skipif(PROBLEM is not None, reason=f"network namespace
               pytest.mark.timeout(400)]
 WAN_MBPS = 50
 PROMPT_TOKENS, MAX_TOKENS, TRIES = 300, 200, 4
+
+
+def _nobody_cannot_run_this_python() -> str | None:
+    """Why the default services' user cannot run this interpreter (e.g. a Python under /root), or None."""
+    if PROBLEM is not None:
+        return PROBLEM
+    import pwd
+
+    pw = pwd.getpwnam(netns_user.SERVICE_USER)
+    return netns_user.probe(netns_user.ServiceUser(pw.pw_uid, pw.pw_gid, {"HOME": "/"}))
+
+
+NOBODY_PROBLEM = _nobody_cannot_run_this_python()
 
 
 def namespaces() -> set[str]:
@@ -51,8 +67,9 @@ def stale():
 def start_up(request, workdir):
     """The `up` fixture's stack (tests/serving/conftest.py), started after `stale` was made."""
     request.getfixturevalue("stale")
+    user = "root" if NOBODY_PROBLEM else netns_user.SERVICE_USER  # (this Python must be readable by the user)
     return launch_up(workdir, os.path.join(CONFIGS, "tiny.toml"), "--netns", "--wan-mbps", str(WAN_MBPS),
-                     "--wan-latency-ms", "2", timeout=300)
+                     "--wan-latency-ms", "2", "--netns-user", user, timeout=300)
 
 
 def topology(state: dict) -> netns.Topology:
@@ -73,6 +90,38 @@ def test_clusters_in_their_own_namespaces_on_a_shaped_veth(up, stale):
                            check=True).stdout
     assert f"rate {WAN_MBPS}Mbit" in qdisc, qdisc
     print(f"netns: {topo.describe()}")
+
+
+def status_of(pid: int) -> dict[str, list[str]]:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: v.split() for k, _, v in (line.partition(":") for line in f)}
+
+
+@pytest.mark.skipif(NOBODY_PROBLEM is not None, reason=f"{netns_user.SERVICE_USER} cannot run this Python "
+                                                         f"(the stack ran with --netns-user root): {NOBODY_PROBLEM}")
+def test_services_run_unprivileged(up):
+    """Only the namespaces need root: every service (uid, gid, groups, capabilities) does not."""
+    services = up.read_state()["services"]
+    assert {x["role"] for x in services} >= {"prefill", "relay", "main", "router"}
+    for x in services:
+        st = status_of(x["pid"])
+        assert "0" not in st["Uid"] and "0" not in st["Gid"], (x["role"], st["Uid"], st["Gid"])
+        assert "0" not in st["Groups"] and int(st["CapEff"][0], 16) == 0 == int(st["CapPrm"][0], 16), x["role"]
+        assert st["NoNewPrivs"] == ["1"], x["role"]
+
+
+def test_a_user_who_cannot_run_this_python_is_refused_before_any_service_starts(tmp_path):
+    """An interpreter in a folder the services' user cannot read (mode 0700, root's): one sentence
+    that names the interpreter and the way out, and no folder of the run is handed over."""
+    hidden = tmp_path / "private"
+    hidden.mkdir(mode=0o700)
+    python = hidden / "python3"
+    python.symlink_to(os.path.realpath(sys.executable))
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    with pytest.raises(UserError, match=r"cannot run this Python \(.*private/python3\).*--netns-user root"):
+        netns_user.prepare(str(workdir), home=str(tmp_path / "home"), python=str(python))
+    assert os.stat(workdir).st_uid == 0 and not (tmp_path / "home").exists()
 
 
 def test_pdd_across_the_namespaces_is_exact_and_its_kv_crosses_the_veth(up, tiny):

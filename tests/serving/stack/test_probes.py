@@ -1,10 +1,12 @@
 """serving/stack/probes.py: the plaintext health-only port kubelet probes (deploy/) answers the
-service port's own grpc.health.v1 statuses and nothing else; a bad port variable is one sentence."""
+service port's own grpc.health.v1 statuses and nothing else; a bad port variable is one sentence;
+a silent connection is closed after the handshake deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import grpc
 import pytest
@@ -55,3 +57,50 @@ def test_unset_is_none_and_a_bad_value_is_one_sentence(monkeypatch):
     monkeypatch.setenv(probes.METRICS_PORT_ENV, "90x")
     with pytest.raises(UserError, match="PDDJAX_METRICS_PORT must be a port number"):
         probes.metrics_port()
+
+
+def test_silent_connections_to_the_health_port_are_closed_and_probes_still_answer(monkeypatch):
+    """Sockets that never speak HTTP/2 are closed after the handshake deadline; meanwhile (fewer of
+    them than the connection bound) a probe still gets its answer."""
+    monkeypatch.setattr(probes, "HANDSHAKE_SECONDS", 1.0)
+    monkeypatch.setattr(probes, "MAX_CONNECTIONS", 16)
+
+    async def run():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        monkeypatch.setenv(probes.HEALTH_PORT_ENV, str(port))
+        service = grpc.aio.server()
+        names = [SERVICES["main"].full_name]
+        hs = rpc.add_health_and_reflection(service, names)
+        await rpc.set_serving(hs, names, True)
+        health = await probes.open_health_port(hs, "127.0.0.1")
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(12)]
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                ask = health_pb2.HealthCheckRequest(service=names[0])
+                status = (await health_pb2_grpc.HealthStub(ch).Check(ask, timeout=5)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            deadline = time.monotonic() + probes.HANDSHAKE_SECONDS + 3
+            still_open = []
+            for s in silent:
+                s.setblocking(False)
+            while silent and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                silent_now = []
+                for s in silent:
+                    try:
+                        if s.recv(65536) != b"":
+                            silent_now.append(s)
+                    except BlockingIOError:
+                        silent_now.append(s)
+                    except ConnectionError:
+                        pass
+                still_open, silent = silent_now, silent_now
+            assert not still_open, f"{len(still_open)} silent connections still open past the handshake deadline"
+        finally:
+            for s in silent:
+                s.close()
+            await health.stop(0)
+
+    asyncio.run(run())

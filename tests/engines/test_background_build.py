@@ -1,0 +1,133 @@
+"""Serving before the whole shape set is built (`precompile(engine, "cover")`): the covering
+set holds every step the scheduler can form, an engine on it alone is exact against the
+monolithic reference, the background build adds the rest one by one (cheapest first) until the
+engine runs the whole stated set, and nothing compiles on the request path meanwhile."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from pddjax.engines import buckets, precompile
+from pddjax.engines.engine_config import EngineConfig
+from pddjax.engines.paged_engine import PagedEngine
+from pddjax.engines.reference import ReferenceEngine
+from pddjax.engines.step import compile_count
+from pddjax.kv.canonical import compiled_variants
+from pddjax.model.config import SMOLLM2_135M, TINY
+from pddjax.model.sampling_params import SamplingParams
+from tests.support.samples import prompt
+
+GREEDY = SamplingParams()
+SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=5)
+CONFIGS = {"tiny": (EngineConfig(page_size=16, num_pages=256, max_step_tokens=128, max_rows=8), TINY),
+           "prefill / main": (EngineConfig(page_size=16, num_pages=512, max_step_tokens=256, max_rows=16),
+                              SMOLLM2_135M),
+           "relay": (EngineConfig(page_size=16, num_pages=256, max_step_tokens=256, max_rows=16), SMOLLM2_135M),
+           "no pad limit": (EngineConfig(page_size=16, num_pages=256, max_step_tokens=128, max_rows=8, pad_limit=0),
+                            TINY)}
+
+
+class Row:
+    def __init__(self, n: int, start: int):
+        self.num_pending, self.start = n, start
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_covering_set_is_small_and_every_step_packs_into_it(name):
+    config, model = CONFIGS[name]
+    stated = buckets.bucket_set(config, model)
+    cover = buckets.covering_set(stated)
+    assert set(cover) <= set(stated) and len(cover) <= 8, cover
+    assert cover == sorted(cover, key=lambda s: buckets.step_cost(s, config.page_size))
+    longest = buckets.max_width(config, model) * config.page_size
+    rng = random.Random(7)
+    for _ in range(300):  # random pending rows (decodes, chunks, long contexts): each step fits a member
+        rows = [Row(rng.choice([1, 1, 1, rng.randint(2, 400)]), rng.randint(0, longest - 1))
+                for _ in range(rng.randint(1, 40))]
+        rows = [r for r in rows if r.start + 1 <= longest]
+        picked, _ = buckets.pack_rows(cover, config.pad_limit, rows, config.max_step_tokens, config.max_rows,
+                                      rng.random() < 0.5, config.page_size, lambda r: r.start)
+        assert picked, "a step with pending rows took none"
+        width = max(-(-(r.start + n) // config.page_size) for r, n in picked)
+        shape = buckets.fit(cover, sum(n for _, n in picked), len(picked), width, max(n for _, n in picked))
+        assert shape is not None, picked
+    for n in (1, 5, 16, 100, config.max_step_tokens, 3 * config.max_step_tokens):  # a row alone: a full step
+        for start in (0, longest // 2):
+            if start + n > longest:
+                continue
+            alone = [Row(n, start)]
+            got = [buckets.pack_rows(m, config.pad_limit, alone, config.max_step_tokens, config.max_rows, False,
+                                     config.page_size, lambda r: r.start)[0] for m in (cover, stated)]
+            assert got[0] == got[1], (n, start, got)
+    for k in (1, 3, config.max_rows, 2 * config.max_rows):  # decode rows only: as many per step as the whole set
+        rows = [Row(1, 30 * i) for i in range(k)]
+        got = [len(buckets.pack_rows(m, config.pad_limit, rows, config.max_step_tokens, config.max_rows, False,
+                                     config.page_size, lambda r: r.start)[0]) for m in (cover, stated)]
+        assert got[0] == got[1] == min(k, config.max_rows), (k, got)
+
+
+def run(eng: PagedEngine, ref: ReferenceEngine, jobs: dict, used: set) -> None:
+    for rid, (p, params) in jobs.items():
+        eng.add(rid, p, params, 12, ())
+    out = {rid: [] for rid in jobs}
+    while eng.has_work():
+        for ev in eng.step():
+            out[ev.seq_id].append(ev.token)
+        used.add(eng.last_shape[:4])
+    for rid, (p, params) in jobs.items():
+        assert out[rid] == ref.generate(p, params, 12, ()).token_ids, rid
+
+
+def test_an_engine_serves_on_the_cover_while_the_rest_builds_then_on_the_whole_set(tiny, monkeypatch):
+    config, _ = CONFIGS["tiny"]
+    eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, config)
+    ref = ReferenceEngine(tiny.config, tiny.weights)
+    go = threading.Event()  # the background builder waits for it: steps run on the cover alone first
+    build = precompile.build_shape
+
+    def held(engine, shape):
+        if threading.current_thread().name == "background-build":
+            assert go.wait(120)
+        build(engine, shape)
+
+    monkeypatch.setattr(precompile, "build_shape", held)
+    eng.precompile("cover")
+    cover = buckets.covering_set(eng.stated)
+    assert eng.shapes == cover and eng.background is not None
+    assert eng.background.pending == [s for s in eng.stated if s not in cover]
+    before = compile_count() + compiled_variants()
+    jobs = {f"r{i}": (prompt(n, i), SEEDED if i % 2 else GREEDY) for i, n in enumerate([3, 17, 40, 90, 150, 7])}
+    used: set = set()
+    run(eng, ref, jobs, used)
+    assert used <= set(cover) and compile_count() + compiled_variants() == before, used
+    go.set()
+    assert eng.background.wait(300) and eng.background.error is None
+    assert eng.shapes == eng.stated  # every member, in the set's own (cost) order
+    assert eng.background.state()["background_built"] == len(eng.stated) - len(cover)
+    used = set()
+    run(eng, ref, {f"s{k}": v for k, v in jobs.items()}, used)
+    assert used - set(cover), "the whole set built, yet every step still took a covering member"
+    assert compile_count() + compiled_variants() == before + eng.background.built  # the builder's only
+
+
+def test_a_background_build_that_fails_leaves_the_engine_serving(tiny, monkeypatch, capsys):
+    config, _ = CONFIGS["tiny"]
+    eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, config)
+    build, calls = precompile.build_shape, []
+
+    def failing(engine, shape):
+        if threading.current_thread().name == "background-build":
+            calls.append(shape)
+            if len(calls) == 3:
+                raise MemoryError("no room for another executable")
+        build(engine, shape)
+
+    monkeypatch.setattr(precompile, "build_shape", failing)
+    eng.precompile("cover")
+    assert eng.background.wait(300)
+    assert eng.background.built == 2 and "MemoryError" in eng.background.error
+    assert "background build stopped after 2 of" in capsys.readouterr().err
+    run(eng, ReferenceEngine(tiny.config, tiny.weights), {"a": (prompt(30, 1), GREEDY)}, set())
