@@ -94,6 +94,10 @@ def precompile(engine, ready: str = "all", clock=None) -> tuple[int, float]:
     return len(first) + 2 * len(kv_buckets(engine)), time.perf_counter() - t0
 
 
+class _Stopped(Exception):
+    """The background build was told to stop."""
+
+
 class BackgroundBuild:
     """The members a service did not wait for, built one by one in a daemon thread (`shapes`
     in order: the set's own, cheapest first). Each joins `engine.shapes` as a new sorted list
@@ -106,6 +110,7 @@ class BackgroundBuild:
         self.built, self.seconds, self.error = 0, 0.0, None
         self.done = threading.Event()
         self.on_progress = lambda: None  # after each member and at the end (a service refreshes its gauges)
+        self._stopping = threading.Event()
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._thread = threading.Thread(target=self._run, name="background-build", daemon=True)
         self._thread.start()
@@ -125,7 +130,15 @@ class BackgroundBuild:
 
         try:
             locks = BuildLocks.for_engine(self.engine)
-            build_in_turn(self.pending, locks, lambda shape: build_shape(self.engine, shape), joined)
+
+            def build(shape) -> None:
+                if self._stopping.is_set():
+                    raise _Stopped
+                build_shape(self.engine, shape)
+
+            build_in_turn(self.pending, locks, build, joined)
+        except _Stopped:
+            pass
         except Exception as e:  # noqa: BLE001 - a failed build leaves the engine on the members it has
             self.error = f"{type(e).__name__}: {e}"
             self._log(f"pddjax: background build stopped after {self.built} of {len(self.pending)} "
@@ -137,6 +150,13 @@ class BackgroundBuild:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
+
+    def stop(self, timeout: float = 60.0) -> bool:
+        """No member after the one being built; waits for that one (a process must not exit with
+        a compile running in a thread: XLA aborts it) -> whether the thread ended in time."""
+        self._stopping.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def state(self) -> dict:
         return {"background_built": self.built, "background_total": len(self.pending),

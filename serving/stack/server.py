@@ -305,6 +305,8 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None, openai: dict 
         await health_port.stop(grace=0)
     if worker is not None:
         worker.stop()
+        if getattr(worker.engine, "background", None) is not None:
+            worker.engine.background.stop()  # the compile in flight ends before the process does
         leader = getattr(worker.engine, "leader", None)  # a multi-host LeaderEngine's op log
         if leader is not None:  # its followers stop, then the group ends
             from pddjax.engines import multihost

@@ -131,3 +131,21 @@ def test_a_background_build_that_fails_leaves_the_engine_serving(tiny, monkeypat
     assert eng.background.built == 2 and "MemoryError" in eng.background.error
     assert "background build stopped after 2 of" in capsys.readouterr().err
     run(eng, ReferenceEngine(tiny.config, tiny.weights), {"a": (prompt(30, 1), GREEDY)}, set())
+
+
+def test_stop_ends_the_build_after_the_member_in_flight(tiny, monkeypatch):
+    config, _ = CONFIGS["tiny"]
+    eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, config)
+    go, build = threading.Event(), precompile.build_shape
+
+    def held(engine, shape):
+        if threading.current_thread().name == "background-build":
+            assert go.wait(120)
+        build(engine, shape)
+
+    monkeypatch.setattr(precompile, "build_shape", held)
+    eng.precompile("cover")
+    threading.Timer(0.2, go.set).start()
+    assert eng.background.stop(120)  # waits for the member in flight, builds no other
+    assert eng.background.done.is_set() and eng.background.error is None
+    assert eng.background.built <= 1 < len(eng.background.pending)
