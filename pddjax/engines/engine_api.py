@@ -21,6 +21,15 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely alternatives, from the model's raw
+    logits (log_softmax before temperature, penalties and bias)."""
+
+    logprob: float  # of the sampled token
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first; top_logprobs of them
+
+
+@dataclasses.dataclass(frozen=True)
 class TokenEvent:
     """One token a step sampled for one sequence (a step's rows that only computed KV emit none)."""
 
@@ -28,6 +37,7 @@ class TokenEvent:
     position: int  # output position (0 = first generated token)
     token: int
     finish_reason: str | None  # "stop" | "length" on the sequence's last token, else None
+    logprobs: TokenLogprobs | None = None  # when the request's SamplingParams.logprobs is on
 
 
 class Engine(abc.ABC):

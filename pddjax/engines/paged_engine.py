@@ -19,24 +19,32 @@ mesh over N local devices; the weights and the pool live sharded on it (the pool
 heads, or replicated when the model has fewer KV heads than N) and every step runs the one
 sharded executable of its shape. Callers see the same API; KV export gathers the shards.
 
-Device calls: a step's forward (`_device_step`), a KV import's write (`_write_kv`) and a KV
-export's read (`_read_kv`) are the engine's only calls that touch devices; a multi-host leader
-(engines/multihost.LeaderEngine) overrides them to tell its followers first.
+Sampling state: penalties and logit_bias read the engine's penalty tables (`self.penalties`,
+engines/penalty_state.py: a row per penalised sequence, rebuilt from token ids whenever the
+tokens come from elsewhere); a request with `logprobs` gets them on each TokenEvent. Neither
+changes a step's shape. A multi-host instance holds no tables and refuses penalised requests.
+
+Device calls: a step's forward (`_device_step`), a KV import's write (`_write_kv`), a KV
+export's read (`_read_kv`) and a penalty row's seeding (`PenaltyRows`) are the engine's only
+calls that touch devices; a multi-host leader (engines/multihost.LeaderEngine) overrides the
+first three to tell its followers first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pddjax.engines import buckets, step_batch
-from pddjax.engines.engine_api import Engine, TokenEvent
+from pddjax.engines.engine_api import Engine, TokenEvent, TokenLogprobs
 from pddjax.engines.engine_config import EngineConfig
 from pddjax.engines.mesh import EngineMesh
+from pddjax.engines.penalty_state import PenaltyRows
 from pddjax.engines.sequence import Sequence
-from pddjax.engines.step import run_step
+from pddjax.engines.step import run, serving_tables
 from pddjax.kv.allocator import OutOfPages, PageAllocator
 from pddjax.kv.canonical import KVImportError, KVRun, export_shards, from_token, import_run, join_heads, span
 from pddjax.kv.page_hash import chain_hashes
@@ -67,6 +75,8 @@ class PagedEngine(Engine):
                                                       config.page_size, cfg.head_dim, jnp.dtype(config.dtype)))
         self.allocator = PageAllocator(config.num_pages)
         self.radix = RadixCache(config.page_size, self.allocator)
+        tables = serving_tables(cfg, self.layout)  # None on a multi-host instance
+        self.penalties = PenaltyRows(tables) if tables is not None else None
         self.seqs: dict[str, Sequence] = {}
         self.stated = buckets.bucket_set(config, cfg)  # every (T, B, MP, Q) a step may have
         self.shapes = list(self.stated)  # the members a step may take now (those built: `precompile`)
@@ -116,6 +126,10 @@ class PagedEngine(Engine):
         ValueError if they never can (more than `max_sequence_tokens`)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already exists")
+        if params.penalised or params.logprobs:
+            params.validate(self.cfg.vocab_size)  # (the router checked the rest; bias ids need the vocabulary)
+            if params.penalised and self.penalties is None:
+                raise ValueError("penalties and logit_bias are not available on a multi-host instance")
         if not prompt or len(prompt) + max_tokens > self.cfg.max_context:
             raise ValueError(f"prompt of {len(prompt)} tokens plus {max_tokens} does not fit the context")
         S = self.config.page_size
@@ -184,46 +198,72 @@ class PagedEngine(Engine):
         self.step_rows = None  # set once the rows are chosen: what a failing step fails
         # choose: the rows of this step and the member of the stated shape set they pad to
         rows, self._multi_first = buckets.pack_rows(
-            self.shapes, self.config.pad_limit, [s for s in self.seqs.values() if s.num_pending],
-            self.config.max_step_tokens, self.config.max_rows, self._multi_first, S, lambda s: s.pages.num_tokens)
+            self.shapes, self.config.pad_limit, self._pending(), self.config.max_step_tokens, self.config.max_rows,
+            self._multi_first, S, lambda s: s.pages.num_tokens)
         if not rows:
             return []
         self.step_rows = [seq.seq_id for seq, _ in rows]  # row order: the sequences a failing step fails
         width = max(pages_needed(seq.pages.num_tokens + n, S) for seq, n in rows)  # the widest page table
         shape = buckets.fit(self.shapes, sum(n for _, n in rows), len(rows), width, max(n for _, n in rows))
         batch, sample_rows, greedy = self._build(rows, shape)
-        sp = self._sampling_arrays(rows, shape[1])
+        pen = self.penalties.prepare(rows, sample_rows) if self.penalties is not None else None
+        sp = self._sampling_arrays(rows, shape[1], pen)
         self.last_shape = (*shape, len(rows))
         # run: asynchronous on the device, so the KV bookkeeping below overlaps it
-        tokens = self._device_step(batch, sp, max_q_len=shape[3], greedy=greedy)  # [B]
+        tokens, lp = self._device_step(batch, sp, max_q_len=shape[3], greedy=greedy)  # [B], logprobs
         self.num_steps += 1
         for seq, n in rows:
             seq.pages.num_tokens += n
         # update: each sampled row's token recorded (np.asarray waits for the step)
         tokens = np.asarray(tokens)
+        asked = [r for r, (seq, _) in enumerate(rows) if sample_rows[r] and seq.params.logprobs]
+        lp = jax.device_get(lp) if asked else None  # fetched only when a row wants them
         events = []
         for r, (seq, _) in enumerate(rows):
             if not sample_rows[r]:
                 continue
             pos = len(seq.generated)
             seq.record(int(tokens[r]))
-            events.append(TokenEvent(seq.seq_id, pos, int(tokens[r]), seq.finish_reason))
+            if pen is not None and pen[r] >= 0:
+                self.penalties.counted(seq)
+            if seq.finish_reason and seq.pen_row >= 0:
+                self.penalties.free(seq)
+            logprobs = _logprobs(lp, r, seq.params.top_logprobs) if lp is not None and seq.params.logprobs else None
+            events.append(TokenEvent(seq.seq_id, pos, int(tokens[r]), seq.finish_reason, logprobs))
             if seq.finish_reason and not seq.hold_on_finish:
                 self.release(seq.seq_id)
         return events
 
+    def _pending(self) -> list[Sequence]:
+        """Sequences with pending tokens; no more of them penalised than the penalty tables have
+        rows (those holding a row first, then in arrival order; the rest wait)."""
+        pending = [s for s in self.seqs.values() if s.num_pending]
+        rows = self.penalties.tables.rows if self.penalties is not None else 0
+        if not rows or len(pending) <= rows:
+            return pending
+        pen = [s for s in pending if s.params.penalised]
+        if len(pen) <= rows:
+            return pending
+        keep = {id(s) for s in sorted(pen, key=lambda s: (s.pen_row < 0, self.penalties.used_by(s)))[:rows]}
+        return [s for s in pending if not s.params.penalised or id(s) in keep]
+
     def _device_step(self, batch, sampling: tuple, *, max_q_len: int, greedy: bool):
-        """The device call of a step: forward + sample, the pool advanced -> tokens [B]."""
-        tokens, _, self.pool = run_step(self.weights, self.cfg, batch, self.pool, *sampling, max_q_len=max_q_len,
-                                        impl=self.config.attention, greedy=greedy, layout=self.layout)
-        return tokens
+        """The device call of a step: forward + sample, the pool (and penalty tables) advanced
+        -> (tokens [B], logprobs: `step.StepOut.logprobs`)."""
+        tables = self.penalties.tables if self.penalties is not None else None
+        out = run(self.weights, self.cfg, batch, self.pool, sampling, tables, max_q_len=max_q_len,
+                  impl=self.config.attention, greedy=greedy, layout=self.layout)
+        self.pool = out.pool
+        if self.penalties is not None:
+            self.penalties.tables = out.tables
+        return out.tokens, out.logprobs
 
     def _build(self, rows, shape: buckets.Shape):
         return step_batch.build(rows, shape, self.config.page_size)
 
     @staticmethod
-    def _sampling_arrays(rows, B):
-        return step_batch.sampling_arrays(rows, B)
+    def _sampling_arrays(rows, B, pen_rows=None):
+        return step_batch.sampling_arrays(rows, B, pen_rows)
 
     def precompile(self, ready: str = "all", clock=None) -> tuple[int, float]:
         """Build the stated set's step variants ("all"; "cover": a covering few, the rest in the
@@ -231,7 +271,10 @@ class PagedEngine(Engine):
         `pddjax.engines.precompile`."""
         from pddjax.engines.precompile import precompile
 
-        return precompile(self, ready, clock)
+        built = precompile(self, ready, clock)
+        if self.penalties is not None:
+            self.penalties.build()  # the penalty rows' seed program
+        return built
 
     # ---- KV out, release -------------------------------------------------------------
     def export_kv(self, seq_id: str, start: int = 0, end: int | None = None) -> KVRun:
@@ -265,6 +308,8 @@ class PagedEngine(Engine):
         if cache:
             self.cache_prefix(seq_id)
         seq = self.seqs.pop(seq_id)
+        if self.penalties is not None:
+            self.penalties.free(seq)
         if seq.prefix_node is not None:
             self.radix.unlock(seq.prefix_node)
         self.allocator.decref(seq.pages.pages)
@@ -286,3 +331,11 @@ class PagedEngine(Engine):
         cached = self.radix.cached_pages()
         expected_used = set(owners) | cached
         assert self.allocator.num_used == len(expected_used), "pages leaked: used pages with no holder"
+        if self.penalties is not None:
+            self.penalties.check_integrity(self.seqs)
+
+
+def _logprobs(lp, r: int, top: int) -> TokenLogprobs:
+    """Row r of a step's fetched logprobs (chosen [B], top ids [B, 20], top logprobs [B, 20])."""
+    chosen, ids, vals = lp
+    return TokenLogprobs(float(chosen[r]), tuple(zip(ids[r, :top].tolist(), vals[r, :top].tolist())))

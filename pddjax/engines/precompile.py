@@ -2,15 +2,17 @@
 
 `precompile(engine, ready)` AOT-compiles (or loads from JAX's persistent compilation cache on
 disk) members of the engine's stated step shape set (`buckets.bucket_set`, `engine.stated`)
-and runs the KV gather / scatter once per token bucket a sequence can need, so that from the
+and the KV gather / scatter per token bucket a sequence can need (kv/copies.py), so that from the
 moment a service reports SERVING no request waits on a compile: `pddjax_jit_compiles_after_ready`
 stays 0 (serving/engine/worker.py). The step executable LRU is raised to hold the whole set.
 
 - ready "all": every member, then serve (the engine's shapes are the stated set).
 - ready "cover": the covering set only (`buckets.covering_set`: a few members every step can
-  be packed into), then serve while `BackgroundBuild` compiles the rest in a thread at a lower
-  CPU priority, cheapest first (the small decode steps a light load runs), each member joining
-  `engine.shapes` once built; a step always takes the best member already built.
+  be packed into; `kv_cover`: KV buckets 8x apart and the largest), then serve while
+  `BackgroundBuild` compiles the rest in a thread at a lower CPU priority, the KV buckets first,
+  then the members cheapest first (the small decode steps a light load runs), each member
+  joining `engine.shapes` once built; a step always takes the best member already built, a KV
+  copy the smallest bucket built that holds its run.
 Each member is built under its program's lock (engines/build_locks.py): services that run the
 same programs split the compiles between them and read each other's from the cache.
 A tensor-parallel engine builds the same set, each member its sharded executable
@@ -28,13 +30,14 @@ import numpy as np
 
 from pddjax.engines import buckets, startup_clock, step
 from pddjax.engines.build_locks import BuildLocks, build_in_turn
+from pddjax.kv import copies
 from pddjax.kv.allocator import NULL_PAGE
-from pddjax.kv.canonical import export_run, import_run
 from pddjax.model.paged import PackedBatch
 from pddjax.sizes import pow2_at_least
 
 HEADROOM = 16  # LRU room beyond the set (test-only variants such as return_logits)
-KV_MIN_BUCKET = 16  # kv.canonical pads a run's tokens to 16, 32, 64, ...
+KV_MIN_BUCKET = copies.MIN_BUCKET  # a KV run's tokens pad to 16, 32, 64, ...
+KV_COVER_STRIDE = 3  # under "cover", every third KV bucket (8x apart) is built before serving
 READY = ("all", "cover")
 BACKGROUND_NICE = 10  # the background builder's thread runs this much below the engine's
 
@@ -47,9 +50,7 @@ def dummy_batch(shape: buckets.Shape) -> tuple[PackedBatch, tuple]:
     z = np.zeros
     batch = PackedBatch(z(T, np.int32), z(T, np.int32), np.full(T, NULL_PAGE, np.int32), z(T, np.int32),
                         z(B + 1, np.int32), z(B, np.int32), z((B, MP), np.int32), z(B, np.int32))
-    sampling = (z(B, np.int32), z(B, np.int32), z(B, np.float32), z(B, np.int32),
-                np.ones(B, np.float32))  # seeds, steps, temperature, top_k, top_p
-    return batch, sampling
+    return batch, step.neutral_sampling(B)  # seeds, steps, temperature, top_k, top_p, pen_row .. want_logprobs
 
 
 def kv_buckets(engine) -> list[int]:
@@ -57,6 +58,18 @@ def kv_buckets(engine) -> list[int]:
     cfg = engine.config
     longest = min(engine.cfg.max_context, (cfg.num_pages - 1) * cfg.page_size)
     return buckets.ladder(KV_MIN_BUCKET, pow2_at_least(longest, KV_MIN_BUCKET), 2)
+
+
+def kv_cover(kv: list[int]) -> list[int]:
+    """The KV buckets built before serving under "cover": 16, 128, 1024, ... and the largest, so
+    a run pads to at most 8x its bucket while the others build."""
+    return sorted({*kv[::KV_COVER_STRIDE], kv[-1]})
+
+
+def build_kv(pool, n: int) -> None:
+    """Compile (or load) the KV gather and scatter for runs padded to n tokens in pools laid out
+    as `pool` (a tree of jax.ShapeDtypeStruct, `copies.abstract`)."""
+    copies.copies().build(pool, n)
 
 
 def build_shape(engine, shape: buckets.Shape) -> None:
@@ -67,10 +80,9 @@ def build_shape(engine, shape: buckets.Shape) -> None:
 
 
 def precompile(engine, ready: str = "all", clock=None) -> tuple[int, float]:
-    """-> (variants built or loaded before serving, seconds). Leaves the pool's real pages
-    untouched: the KV copies read and write only page 0 (scratch). With ready "cover" the rest
-    of the set is `engine.background` (a started BackgroundBuild). `clock` (a StartupClock)
-    times the phases shapes_s and kv_copies_s."""
+    """-> (variants built or loaded before serving, seconds). Nothing runs: the pool is
+    untouched. With ready "cover" the rest of the set is `engine.background` (a started
+    BackgroundBuild). `clock` (a StartupClock) times the phases shapes_s and kv_copies_s."""
     if ready not in READY:
         raise ValueError(f"ready must be one of {', '.join(READY)}, got {ready!r}")
     t0 = time.perf_counter()
@@ -81,17 +93,16 @@ def precompile(engine, ready: str = "all", clock=None) -> tuple[int, float]:
     with startup_clock.phase(clock, "shapes_s"):
         build_in_turn(first, BuildLocks.for_engine(engine), lambda shape: build_shape(engine, shape))
         engine.shapes = list(first)
-        step.release_tracing_caches()  # (this drops jitted functions' caches too: the KV copies come after)
-    S = engine.config.page_size
+        step.release_tracing_caches()  # held executables stay; JAX's per-shape lowering caches go
+    pool, kv = copies.abstract(engine.pool), kv_buckets(engine)
+    kv_first = kv if ready == "all" else kv_cover(kv)
     with startup_clock.phase(clock, "kv_copies_s"):
-        for n in kv_buckets(engine):
-            pages = [NULL_PAGE] * (-(-n // S))
-            run = export_run(engine.pool, pages, 0, n, engine.fingerprint)  # k, v: [L, n, K, D] of page 0
-            engine.pool = engine.layout.put_pool(import_run(engine.pool, run, pages, engine.fingerprint))
-    rest = [s for s in engine.stated if s not in first]
-    if rest:
-        engine.background = BackgroundBuild(engine, rest)
-    return len(first) + 2 * len(kv_buckets(engine)), time.perf_counter() - t0
+        for n in kv_first:
+            build_kv(pool, n)
+    rest, kv_rest = [s for s in engine.stated if s not in first], [n for n in kv if n not in kv_first]
+    if rest or kv_rest:
+        engine.background = BackgroundBuild(engine, rest, kv=(pool, kv_rest))
+    return len(first) + 2 * len(kv_first), time.perf_counter() - t0
 
 
 class _Stopped(Exception):
@@ -99,21 +110,34 @@ class _Stopped(Exception):
 
 
 class BackgroundBuild:
-    """The members a service did not wait for, built one by one in a daemon thread (`shapes`
-    in order: the set's own, cheapest first). Each joins `engine.shapes` as a new sorted list
-    (one assignment: the engine thread reads a whole list at each step). `built` counts them
-    (the worker keeps them out of pddjax_jit_compiles_after_ready); `done` is set at the end,
-    `error` holds what stopped it (one line on stderr; the engine keeps serving with what it has)."""
+    """What a service did not wait for, built one by one in a daemon thread: the KV buckets
+    (`kv`: (abstract pool, buckets), ascending), then the step members (`shapes`, in order: the
+    set's own, cheapest first). Each member joins `engine.shapes` as a new sorted list (one
+    assignment: the engine thread reads a whole list at each step); a KV bucket is used as soon
+    as it is held (kv/copies.py). `built` counts members, `kv_built` KV buckets, `variants_built`
+    of `variants_total` both as executables (the worker keeps them out of
+    pddjax_jit_compiles_after_ready); `done` is set at the end, `error` holds what stopped it (one
+    line on stderr; the engine keeps serving with what it has)."""
 
-    def __init__(self, engine, shapes: list[buckets.Shape], log=None):
+    def __init__(self, engine, shapes: list[buckets.Shape], log=None, kv: tuple = (None, ())):
         self.engine, self.pending = engine, list(shapes)
-        self.built, self.seconds, self.error = 0, 0.0, None
+        self.kv_pool, self.kv_pending = kv[0], list(kv[1])
+        self.built = self.kv_built = 0
+        self.seconds, self.error = 0.0, None
         self.done = threading.Event()
-        self.on_progress = lambda: None  # after each member and at the end (a service refreshes its gauges)
+        self.on_progress = lambda: None  # after each build and at the end (a service refreshes its gauges)
         self._stopping = threading.Event()
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._thread = threading.Thread(target=self._run, name="background-build", daemon=True)
         self._thread.start()
+
+    @property
+    def variants_total(self) -> int:
+        return len(self.pending) + 2 * len(self.kv_pending)
+
+    @property
+    def variants_built(self) -> int:
+        return self.built + 2 * self.kv_built
 
     def _run(self) -> None:
         try:
@@ -128,21 +152,25 @@ class BackgroundBuild:
             self.built += 1
             self.on_progress()
 
-        try:
-            locks = BuildLocks.for_engine(self.engine)
+        def build(shape) -> None:
+            if self._stopping.is_set():
+                raise _Stopped
+            build_shape(self.engine, shape)
 
-            def build(shape) -> None:
+        try:
+            for n in self.kv_pending:
                 if self._stopping.is_set():
                     raise _Stopped
-                build_shape(self.engine, shape)
-
-            build_in_turn(self.pending, locks, build, joined)
+                build_kv(self.kv_pool, n)
+                self.kv_built += 1
+                self.on_progress()
+            build_in_turn(self.pending, BuildLocks.for_engine(self.engine), build, joined)
         except _Stopped:
             pass
-        except Exception as e:  # noqa: BLE001 - a failed build leaves the engine on the members it has
+        except Exception as e:  # noqa: BLE001 - a failed build leaves the engine on what it has
             self.error = f"{type(e).__name__}: {e}"
-            self._log(f"pddjax: background build stopped after {self.built} of {len(self.pending)} "
-                      f"step shapes: {self.error}")
+            self._log(f"pddjax: background build stopped after {self.variants_built} of {self.variants_total} "
+                      f"executables: {self.error}")
         finally:
             self.seconds = time.perf_counter() - t0
             self.done.set()
@@ -152,12 +180,8 @@ class BackgroundBuild:
         return self.done.wait(timeout)
 
     def stop(self, timeout: float = 60.0) -> bool:
-        """No member after the one being built; waits for that one (a process must not exit with
+        """Nothing after the build in flight; waits for that one (a process must not exit with
         a compile running in a thread: XLA aborts it) -> whether the thread ended in time."""
         self._stopping.set()
         self._thread.join(timeout)
         return not self._thread.is_alive()
-
-    def state(self) -> dict:
-        return {"background_built": self.built, "background_total": len(self.pending),
-                "background_done": self.done.is_set(), "background_s": round(self.seconds, 3)}

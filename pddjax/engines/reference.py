@@ -1,8 +1,11 @@
 """The monolithic reference engine: prefill, then one token at a time over a dense KV cache.
 
 It is deliberately the simplest correct generation loop; every paged or disaggregated path
-must reproduce its tokens exactly. Prefill lengths and cache lengths are bucketed to powers of
-two so a steady workload reuses compiled code.
+must reproduce its tokens exactly (and their logprobs, to float tolerance). Prefill lengths and
+cache lengths are bucketed to powers of two so a steady workload reuses compiled code.
+Penalties and logit_bias: the whole state is kept on the host as dense [V] arrays (counts of
+generated tokens, prompt presence, bias) and passed with each token's call (`penalties.apply`,
+the math the paged step runs); logprobs come from each token's raw logits.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pddjax.engines.engine_api import TokenLogprobs
+from pddjax.model import penalties
 from pddjax.model import weights as wmod
 from pddjax.model.config import ModelConfig
 from pddjax.model.dense import DenseKV, forward_dense
+from pddjax.model.sampling import logprobs as logprobs_of
 from pddjax.model.sampling import sample
 from pddjax.model.sampling_params import GREEDY, SamplingParams
 from pddjax.sizes import pow2_at_least
@@ -33,6 +39,7 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop token) | "length"
+    logprobs: list[TokenLogprobs] | None = None  # one per token when params.logprobs
 
 
 def _sampling_arrays(p: SamplingParams, step: int):
@@ -41,20 +48,47 @@ def _sampling_arrays(p: SamplingParams, step: int):
             jnp.array([p.top_p], jnp.float32))
 
 
+def _penalised(logits, pen):
+    # pen: None, or (counts [1, V] int32, seen [1, V] bool, bias [1, V] float32, presence,
+    # frequency, repetition [1] float32)
+    return logits if pen is None else penalties.apply(logits, *pen)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
-def _prefill(w, cfg: ModelConfig, tokens, length, cache, seeds, steps, temp, top_k, top_p, greedy=False):
-    # tokens: [1, Tb] padded; length: [] valid tokens -> (first token [1], cache)
+def _prefill(w, cfg: ModelConfig, tokens, length, cache, seeds, steps, temp, top_k, top_p, greedy=False, pen=None):
+    # tokens: [1, Tb] padded; length: [] valid tokens -> (first token [1], raw logits [1, V], cache)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     logits, cache = forward_dense(w, cfg, tokens, positions, cache, last_only=(length - 1).reshape(1))
     last = logits[:, 0]  # [1, V]
-    return sample(last, seeds, steps, temp, top_k, top_p, greedy_only=greedy), last, cache
+    return sample(_penalised(last, pen), seeds, steps, temp, top_k, top_p, greedy_only=greedy), last, cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
-def _decode(w, cfg: ModelConfig, token, position, cache, seeds, steps, temp, top_k, top_p, greedy=False):
-    # token: [1] last sampled id; position: [] its position -> (next token [1], cache)
+def _decode(w, cfg: ModelConfig, token, position, cache, seeds, steps, temp, top_k, top_p, greedy=False, pen=None):
+    # token: [1] last sampled id; position: [] its position -> (next token [1], raw logits [1, V], cache)
     logits, cache = forward_dense(w, cfg, token[:, None], position.reshape(1, 1), cache)  # [1, 1, V]
-    return sample(logits[:, 0], seeds, steps, temp, top_k, top_p, greedy_only=greedy), logits[:, 0], cache
+    last = logits[:, 0]
+    return sample(_penalised(last, pen), seeds, steps, temp, top_k, top_p, greedy_only=greedy), last, cache
+
+
+_logprobs = jax.jit(logprobs_of)
+
+
+class _HostPenalties:
+    """A request's penalty state as dense host arrays: generated counts, prompt presence, bias."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab: int):
+        self.counts = np.zeros(vocab, np.int32)  # [V]
+        self.seen = np.zeros(vocab, bool)  # [V]
+        self.seen[list(prompt_ids)] = True
+        self.bias = np.zeros(vocab, np.float32)  # [V]
+        for t, b in params.logit_bias:
+            self.bias[t] = b
+        self.scalars = tuple(np.array([v], np.float32) for v in
+                             (params.presence_penalty, params.frequency_penalty, params.repetition_penalty))
+
+    def arrays(self) -> tuple:
+        return (self.counts[None], self.seen[None], self.bias[None], *self.scalars)
 
 
 class ReferenceEngine:
@@ -67,7 +101,7 @@ class ReferenceEngine:
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                stop_ids: tuple[int, ...] | None = None, return_logits: bool = False) -> Iterator:
-        """Yields generated token ids (or (id, logits [V]) pairs); stops after a stop id or max_tokens."""
+        """Yields generated token ids (or (id, raw logits [V]) pairs); stops after a stop id or max_tokens."""
         cfg = self.cfg
         stop = set(cfg.eos_token_ids if stop_ids is None else stop_ids)
         n = len(prompt_ids)
@@ -81,19 +115,30 @@ class ReferenceEngine:
         greedy = params.temperature <= 0
         tokens = np.zeros((1, tb), np.int32)
         tokens[0, :n] = prompt_ids
+        pen = _HostPenalties(params, prompt_ids, cfg.vocab_size) if params.penalised else None
         tok, logits, cache = _prefill(self.weights, cfg, jnp.asarray(tokens), jnp.int32(n), cache,
-                                      *_sampling_arrays(params, 0), greedy=greedy)
+                                      *_sampling_arrays(params, 0), greedy=greedy, pen=pen.arrays() if pen else None)
         for step in range(max_tokens):
             t = int(tok[0])
             yield (t, np.asarray(logits[0])) if return_logits else t
             if t in stop or step + 1 == max_tokens:
                 return
+            if pen is not None:
+                pen.counts[t] += 1
             tok, logits, cache = _decode(self.weights, cfg, tok, jnp.int32(n + step), cache,
-                                         *_sampling_arrays(params, step + 1), greedy=greedy)
+                                         *_sampling_arrays(params, step + 1), greedy=greedy,
+                                         pen=pen.arrays() if pen else None)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
                  stop_ids: tuple[int, ...] | None = None) -> GenerationResult:
-        out = list(self.stream(prompt_ids, params, max_tokens, stop_ids))
+        """The whole answer; with params.logprobs, each token's logprob and top_logprobs alternatives."""
+        out, lps = [], []
+        for t, logits in self.stream(prompt_ids, params, max_tokens, stop_ids, return_logits=True):
+            out.append(t)
+            if params.logprobs:
+                chosen, ids, vals = jax.device_get(_logprobs(logits[None], np.asarray([t], np.int32)))
+                k = params.top_logprobs
+                lps.append(TokenLogprobs(float(chosen[0]), tuple(zip(ids[0, :k].tolist(), vals[0, :k].tolist()))))
         stop = set(self.cfg.eos_token_ids if stop_ids is None else stop_ids)
         reason = "stop" if out and out[-1] in stop else "length"
-        return GenerationResult(list(prompt_ids), out, reason)
+        return GenerationResult(list(prompt_ids), out, reason, lps if params.logprobs else None)

@@ -3,6 +3,7 @@
 tokens = prompt + generated; KV exists for tokens[:pages.num_tokens]; the rest is pending and
 goes into the next step as one row (prefill chunk, extend, or single-token decode). Output
 position t is generated[t]: the first token (sampled after the prompt) is position 0.
+`generated` changes only through record / append_known / rollback (the penalty row follows it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class Sequence:
     num_sampled_here: int = 0  # tokens this engine sampled (vs. appended from elsewhere)
     paused: bool = False  # not stepped while set (serving: KV or a handoff still in transit)
     table_width: int = 0  # page_array's length at least (the engine's widest page table)
+    pen_row: int = -1  # the engine's penalty table row (-1: none; engines/penalty_state.py)
+    pen_counted: int = -1  # generated tokens that row holds (-1: to be seeded in full)
     page_array: np.ndarray = dataclasses.field(init=False, repr=False)  # [max(width, pages)] int32, page 0 padded
 
     def __post_init__(self):
@@ -92,6 +95,8 @@ class Sequence:
         disagrees with tokens sampled here); their KV is recomputed on the next step."""
         if num_generated < len(self.generated):
             self.generated = self.generated[:num_generated]
+            if self.pen_counted > num_generated:  # the penalty row counted tokens now gone
+                self.pen_counted = -1
             self.pages.num_tokens = min(self.pages.num_tokens, len(self.prompt) + num_generated)
             self.finish_reason = None
 

@@ -3,7 +3,11 @@ sampled token per row out, the KV pool donated and updated in place.
 
 Static: model config, attention implementation, max row length Q, return_logits (tests).
 Greedy is an argument, not a static: `lax.cond` runs argmax or the sampler, so greedy and
-sampled steps share one executable per shape.
+sampled steps share one executable per shape. So are penalties, logit bias and logprobs
+(`sampling.sample_step`): per-row arrays of shape [B] and the engine's penalty tables
+(`penalties.Tables`, [ROWS, V], donated like the pool: the step counts each sampled token in
+its row), each part skipped by `lax.cond` when no row of the step uses it. They add no member
+to the shape set and no key: every step of an engine passes them, of the same shapes.
 
 Every distinct shape key (T, B, MP, Q) is its own XLA executable, a few MB of host memory
 each. An engine runs only the shapes of its stated set (`buckets.bucket_set`) and builds them
@@ -33,37 +37,50 @@ import ctypes
 import functools
 import threading
 import weakref
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from pddjax import env
+from pddjax.engines import penalty_state
+from pddjax.kv.pool import KVPool
 from pddjax.model.paged import PackedBatch, forward_paged
-from pddjax.model.sampling import sample
+from pddjax.model.penalties import Tables
+from pddjax.model.sampling import sample_step
 
 TRIM_EVERY = 8  # evictions between clearing JAX's internal caches
 
 
 STATICS = ("cfg", "max_q_len", "impl", "return_logits")
+NUM_SAMPLING = 10  # per-step sampling arrays (`sampling.sample_step`), each [B]
 
 
-def _step(w, batch: PackedBatch, pool, seeds, steps, temperature, top_k, top_p, greedy, *,
-          cfg, max_q_len: int, impl: str, return_logits: bool = False, mesh=None, kv_sharded: bool = True):
-    # seeds, steps, top_k: [B] int32; temperature, top_p: [B] float32; greedy: [] bool
-    # -> tokens [B] int32, logits [B, V] or None, pool
+class StepOut(NamedTuple):
+    tokens: jax.Array  # [B] int32
+    logprobs: tuple  # (chosen [B] f32, top ids [B, 20] i32, top logprobs [B, 20] f32); zeros unless a row asked
+    logits: jax.Array | None  # [B, V] float32 (return_logits only)
+    pool: KVPool
+    tables: Tables | None  # the penalty tables, sampled tokens counted (None: none passed)
+
+
+def _step(w, batch: PackedBatch, pool, tables, seeds, steps, temperature, top_k, top_p, pen_row, presence,
+          frequency, repetition, want_logprobs, greedy, *, cfg, max_q_len: int, impl: str, return_logits: bool = False,
+          mesh=None, kv_sharded: bool = True):
+    # seeds, steps, top_k, pen_row: [B] int32; temperature, top_p, presence, frequency,
+    # repetition: [B] float32; want_logprobs: [B] bool; greedy: [] bool; tables: Tables or None
     logits, pool = forward_paged(w, cfg, batch, pool, max_q_len=max_q_len, impl=impl, mesh=mesh,
                                  kv_sharded=kv_sharded)  # [B, V]
     if mesh is not None:  # sampling on replicated logits: every device draws the same token
         from jax.sharding import NamedSharding, PartitionSpec
 
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))
-    sp = (seeds, steps, temperature, top_k, top_p)
-    tokens = jax.lax.cond(greedy, lambda lg, sp: sample(lg, *sp, greedy_only=True),
-                          lambda lg, sp: sample(lg, *sp), logits, sp)  # [B]
-    return tokens, (logits if return_logits else None), pool
+    sp = (seeds, steps, temperature, top_k, top_p, pen_row, presence, frequency, repetition, want_logprobs)
+    tokens, lp, tables = sample_step(logits, tables, sp, greedy)  # [B]
+    return StepOut(tokens, lp, logits if return_logits else None, pool, tables)
 
 
-_single = jax.jit(_step, static_argnames=STATICS, donate_argnames=("pool",))
+_single = jax.jit(_step, static_argnames=STATICS, donate_argnames=("pool", "tables"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -73,9 +90,9 @@ def _sharded(layout, w_tree, statics: tuple):
     rep, pool = layout.replicated, layout.pool_sharding
     w_shardings = layout.weight_shardings(jax.tree_util.tree_unflatten(w_tree, [0] * w_tree.num_leaves))
     kw = dict(statics)
-    return jax.jit(functools.partial(_step, **kw), donate_argnums=(2,),
-                   in_shardings=(w_shardings, rep, pool, rep, rep, rep, rep, rep, rep),
-                   out_shardings=(rep, rep if kw["return_logits"] else None, pool))
+    return jax.jit(functools.partial(_step, **kw), donate_argnums=(2, 3),
+                   in_shardings=(w_shardings, rep, pool, rep, *[rep] * NUM_SAMPLING, rep),
+                   out_shardings=StepOut(rep, rep, rep if kw["return_logits"] else None, pool, rep))
 
 
 class _Bound:
@@ -190,30 +207,69 @@ def _release_jax_caches() -> None:
 _executables = Executables(env.STEP_EXECUTABLES.get())  # read once: the cache is process-wide
 
 
-def _arguments(w, cfg, batch, pool, sampling, greedy, max_q_len, impl, return_logits, layout):
+def neutral_sampling(B: int) -> tuple:
+    """The per-step sampling arrays of B greedy rows that use nothing else, numpy, in the dtypes
+    the serving loop passes (`step_batch.sampling_arrays`, `precompile.dummy_batch`)."""
+    z = np.zeros
+    return (z(B, np.int32), z(B, np.int32), z(B, np.float32), z(B, np.int32), np.ones(B, np.float32),
+            np.full(B, -1, np.int32), z(B, np.float32), z(B, np.float32), np.ones(B, np.float32), z(B, bool))
+
+
+def _arguments(w, cfg, batch, pool, tables, sampling, greedy, max_q_len, impl, return_logits, layout):
     # batch and sampling arrays are numpy (host): the compiled step's C++ dispatch transfers
-    # them; `precompile` builds with numpy too, so the executable key below matches
-    args = (w, batch, pool, *sampling, np.asarray(bool(greedy)))
+    # them; `precompile` builds with numpy too, so the executable key below matches. A caller
+    # of the first five arrays only (seeds .. top_p) gets the rest neutral.
+    sampling = tuple(sampling)
+    if len(sampling) < NUM_SAMPLING:
+        sampling += neutral_sampling(len(sampling[0]))[len(sampling):]
+    host = (*sampling, np.asarray(bool(greedy)))
     statics = {"cfg": cfg, "max_q_len": max_q_len, "impl": impl, "return_logits": return_logits}
     if layout is not None and layout.mesh is not None:
         statics.update(mesh=layout.mesh, kv_sharded=layout.kv_sharded)
-        args = (w, layout.put_replicated(batch), pool, *layout.put_replicated(args[3:]))
-    return args, statics
+        batch, host = layout.put_replicated(batch), layout.put_replicated(host)
+    return (w, batch, pool, tables, *host), statics
 
 
-def run_step(w, cfg, batch: PackedBatch, pool, seeds, steps, temperature, top_k, top_p, *,
-             max_q_len: int, impl: str, greedy: bool, return_logits: bool = False, layout=None):
-    """-> (tokens [B] int32, logits [B, V] or None, pool). `pool` is donated: use the one returned.
-    `layout`: the engine's `EngineMesh` (None or degree 1: one device)."""
-    args, statics = _arguments(w, cfg, batch, pool, (seeds, steps, temperature, top_k, top_p), greedy,
-                               max_q_len, impl, return_logits, layout)
+def run(w, cfg, batch: PackedBatch, pool, sampling: tuple, tables: Tables | None, *, max_q_len: int, impl: str,
+        greedy: bool, return_logits: bool = False, layout=None) -> StepOut:
+    """One step: forward + sample. `pool` and `tables` are donated: use the ones returned.
+    `sampling`: the NUM_SAMPLING arrays of `sampling.sample_step`; `tables`: the engine's
+    penalty tables (None: no penalties, what a multi-host instance runs). `layout`: the engine's
+    `EngineMesh` (None or degree 1: one device)."""
+    args, statics = _arguments(w, cfg, batch, pool, tables, sampling, greedy, max_q_len, impl, return_logits, layout)
     return _executables(args, statics, layout)
+
+
+def run_step(w, cfg, batch: PackedBatch, pool, *sampling, max_q_len: int, impl: str, greedy: bool,
+             return_logits: bool = False, layout=None):
+    """`run` without penalty tables -> (tokens [B] int32, logits [B, V] or None, pool): the step a
+    multi-host instance's processes run (engines/multihost.py replays it)."""
+    out = run(w, cfg, batch, pool, sampling, None, max_q_len=max_q_len, impl=impl, greedy=greedy,
+              return_logits=return_logits, layout=layout)
+    return out.tokens, out.logits, out.pool
+
+
+def serving_tables(cfg, layout=None) -> Tables | None:
+    """Penalty tables as a PagedEngine of this model and layout holds them (zeros), or None on a
+    multi-host instance (penalties off there: engines/penalty_state.py)."""
+    if jax.process_count() > 1:
+        return None
+    tables = Tables.zeros(penalty_state.ROWS, cfg.vocab_size)
+    return tables if layout is None or layout.mesh is None else layout.put_replicated(tables)
+
+
+@functools.lru_cache(maxsize=4)
+def _built_tables(cfg, layout) -> Tables | None:
+    """Zero tables to build steps with (never donated: nothing runs), one per model and layout."""
+    return serving_tables(cfg, layout)
 
 
 def build_step(w, cfg, batch: PackedBatch, pool, sampling: tuple, *, max_q_len: int, impl: str, layout=None):
     """Compile (or load) the serving variant of these shapes without running it -> the executable
-    (a `jax.stages.Compiled`: `.as_text()` is its HLO)."""
-    args, statics = _arguments(w, cfg, batch, pool, sampling, False, max_q_len, impl, False, layout)
+    (a `jax.stages.Compiled`: `.as_text()` is its HLO). The penalty tables are the engine's
+    shape and placement (`serving_tables`)."""
+    args, statics = _arguments(w, cfg, batch, pool, _built_tables(cfg, layout), sampling, False, max_q_len, impl,
+                               False, layout)
     return _executables.build(args, statics, layout)
 
 
@@ -223,8 +279,9 @@ def release_tracing_caches() -> None:
 
 
 def compile_count() -> int:
-    """Variants of the step built in this process (evicted ones that came back count again)."""
-    return _executables.built
+    """Variants of the step built in this process (evicted ones that came back count again),
+    and of the penalty tables' seed program."""
+    return _executables.built + penalty_state.seed_builds()
 
 
 def resident_count() -> int:

@@ -56,11 +56,16 @@ def build(rows, shape: tuple[int, int, int, int], page_size: int) -> tuple[Packe
     return batch, sample_rows, greedy
 
 
-def sampling_arrays(rows, B: int) -> tuple:
-    """-> (seeds, steps, temperature, top_k, top_p), each [B] numpy (padding rows: greedy)."""
+def sampling_arrays(rows, B: int, pen_rows: list[int] | None = None) -> tuple:
+    """-> (seeds, steps, temperature, top_k, top_p, pen_row, presence, frequency, repetition,
+    want_logprobs), each [B] numpy (padding rows: greedy, nothing else). `pen_rows`: each row's
+    penalty table row (`PenaltyRows.prepare`; None: no row uses one); penalties are filled only
+    for rows that have one, logprobs asked for every row that wants them."""
     R = len(rows)
     seeds, steps, topk = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
     temp, topp = np.zeros(B, np.float32), np.ones(B, np.float32)
+    pen_row, presence, frequency = np.full(B, -1, np.int32), np.zeros(B, np.float32), np.zeros(B, np.float32)
+    repetition, want = np.ones(B, np.float32), np.zeros(B, bool)
     if R:
         params = [seq.params for seq, _ in rows]
         seeds[:R] = [p.seed for p in params]
@@ -68,4 +73,11 @@ def sampling_arrays(rows, B: int) -> tuple:
         topk[:R] = [p.top_k for p in params]
         temp[:R] = [p.temperature for p in params]
         topp[:R] = [p.top_p for p in params]
-    return seeds, steps, temp, topk, topp
+        want[:R] = [p.logprobs for p in params]
+        if pen_rows is not None:
+            pen_row[:R] = pen_rows
+            on = [r for r in range(R) if pen_rows[r] >= 0]
+            presence[on] = [params[r].presence_penalty for r in on]
+            frequency[on] = [params[r].frequency_penalty for r in on]
+            repetition[on] = [params[r].repetition_penalty for r in on]
+    return seeds, steps, temp, topk, topp, pen_row, presence, frequency, repetition, want

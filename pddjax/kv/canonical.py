@@ -19,16 +19,15 @@ with the pool's head sharding): nothing is gathered on one device unless the poo
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from pddjax.kv.allocator import NULL_PAGE
-from pddjax.kv.pool import KVPool, read_tokens, write_tokens
-from pddjax.sizes import pow2_at_least
+from pddjax.kv.copies import copies, run_sharding
+from pddjax.kv.pool import KVPool
 
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
 
@@ -137,22 +136,9 @@ def _slots(pages: list[int], page_size: int, start: int, n: int, padded: int) ->
     return sp, so
 
 
-@jax.jit
-def _gather(pool: KVPool, slot_pages, slot_offsets):
-    # the output keeps the pool's head sharding: each device gathers its own heads (no collective)
-    k, v = read_tokens(pool, slot_pages, slot_offsets)  # [L, K, T, D]
-    return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [L, T, K, D]
-
-
-@functools.partial(jax.jit, donate_argnames=("pool",))
-def _scatter(pool: KVPool, k, v, slot_pages, slot_offsets):
-    # k, v: [L, T, K, D] (sharded on K as the pool is) -> pool layout [L, K, T, D]
-    return write_tokens(pool, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), slot_pages, slot_offsets)
-
-
 def compiled_variants() -> int:
-    """Distinct compiled shapes of the KV gather / scatter in this process."""
-    return _gather._cache_size() + _scatter._cache_size()
+    """KV gather / scatter executables built in this process (two per padded bucket)."""
+    return 2 * copies().built
 
 
 def _heads(index: tuple, num_kv_heads: int) -> tuple[int, int]:
@@ -167,8 +153,8 @@ def export_shards(pool: KVPool, pages: list[int], start: int, end: int, fingerpr
     per distinct head range of the pool's shards (by first head; replicas read once). Each
     device gathers its own heads; each shard is read to the host on its own."""
     n = end - start
-    sp, so = _slots(pages, pool.page_size, start, n, pow2_at_least(n, 16))
-    k, v = _gather(pool, jnp.asarray(sp), jnp.asarray(so))  # [L, Tpad, K, D], sharded as the pool
+    sp, so = _slots(pages, pool.page_size, start, n, copies().pad(pool, n))
+    k, v = copies().gather(pool, sp, so)  # [L, Tpad, K, D], sharded as the pool
     K, name = k.shape[2], jnp.dtype(pool.dtype).name
     if not k.is_fully_addressable:  # a pool across processes (engines/multihost.py): every process runs this
         from jax.experimental import multihost_utils
@@ -208,13 +194,6 @@ def check_importable(run: Pieces, pool: KVPool, fingerprint: str) -> None:
         raise KVImportError(problem)
 
 
-def _run_sharding(pool: KVPool) -> NamedSharding:
-    """Sharding of a [L, T, K, D] run placed as the pool [L, K, P, S, D] (on a mesh) holds its heads."""
-    s = pool.k.sharding
-    spec = (*s.spec, None, None)
-    return NamedSharding(s.mesh, PartitionSpec(None, None, spec[1], None))
-
-
 def _place(pieces: list[KVRun], which: str, pool: KVPool, padded: int) -> jax.Array:
     """k or v [L, padded, K, D] in the pool's dtype, each device given its heads from the pieces."""
     L, K, _, _, D = pool.k.shape
@@ -233,7 +212,7 @@ def _place(pieces: list[KVRun], which: str, pool: KVPool, padded: int) -> jax.Ar
         return made[(h0, h1)]
     if not isinstance(pool.k.sharding, NamedSharding):  # one device: uncommitted, as the pool is (the
         return jnp.asarray(heads_of((slice(None),) * 4))  # precompiled copies stay the ones that run)
-    return jax.make_array_from_callback((L, padded, K, D), _run_sharding(pool), heads_of)
+    return jax.make_array_from_callback((L, padded, K, D), run_sharding(pool), heads_of)
 
 
 def import_run(pool: KVPool, run: Pieces, pages: list[int], fingerprint: str) -> KVPool:
@@ -246,7 +225,7 @@ def import_run(pool: KVPool, run: Pieces, pages: list[int], fingerprint: str) ->
     n = end - start
     if end > len(pages) * pool.page_size:
         raise KVImportError(f"{len(pages)} pages of {pool.page_size} cannot hold tokens up to {end}")
-    padded = pow2_at_least(n, 16)
+    padded = copies().pad(pool, n)
     sp, so = _slots(pages, pool.page_size, start, n, padded)
     k, v = _place(pieces, "k", pool, padded), _place(pieces, "v", pool, padded)
-    return _scatter(pool, k, v, jnp.asarray(sp), jnp.asarray(so))
+    return copies().scatter(pool, k, v, sp, so)

@@ -2,12 +2,21 @@
 
 So any engine that samples position t of a request draws the same token from the same
 logits: this is what makes the RLD -> MD handoff exact. Greedy when temperature <= 0.
+
+`sample_step` is the paged step's whole sampler: penalties and logit bias (penalties.py) on
+the rows that use them, then greedy or the draw, then the logprobs of the raw logits; each
+part is skipped by `lax.cond` when no row of the batch needs it.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pddjax.model import penalties
+from pddjax.model.sampling_params import MAX_TOP_LOGPROBS
+
+TOP_LOGPROBS = MAX_TOP_LOGPROBS  # alternatives a step returns per row (callers slice to top_logprobs)
 
 
 def _float_key(x):
@@ -62,3 +71,41 @@ def sample(logits, seeds, steps, temperature, top_k, top_p, *, greedy_only: bool
     if greedy_only:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.vmap(_sample_row)(logits.astype(jnp.float32), seeds, steps, temperature, top_k, top_p)
+
+
+def logprobs(logits, tokens):
+    """logits: [B, V] (raw: before penalties, bias and temperature), tokens: [B] int32 ->
+    (logprob of each token [B] float32, top ids [B, 20] int32, their logprobs [B, 20] float32)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    top_vals, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
+    return chosen, top_ids.astype(jnp.int32), top_vals
+
+
+def no_logprobs(B: int):
+    """`logprobs`' outputs when no row asks: zeros of the same shapes."""
+    return (jnp.zeros((B,), jnp.float32), jnp.zeros((B, TOP_LOGPROBS), jnp.int32),
+            jnp.zeros((B, TOP_LOGPROBS), jnp.float32))
+
+
+def sample_step(logits, tables, sampling: tuple, greedy):
+    """The paged step's sampler. logits: [B, V]; tables: penalties.Tables or None (no penalty
+    state: a multi-host instance); sampling: (seeds, steps, temperature, top_k, top_p, pen_row,
+    presence, frequency, repetition, want_logprobs), each [B] (int32: seeds, steps, top_k,
+    pen_row (-1: none); bool: want_logprobs; float32 the rest); greedy: [] bool (every sampling
+    row greedy) -> (tokens [B] int32, `logprobs` outputs, tables with the sampled tokens counted)."""
+    seeds, steps, temperature, top_k, top_p, pen_row, presence, frequency, repetition, want = sampling
+    raw = logits.astype(jnp.float32)  # [B, V]
+    x = raw
+    if tables is not None:
+        x = jax.lax.cond(jnp.any(pen_row >= 0),
+                         lambda: penalties.apply_rows(raw, tables, pen_row, presence, frequency, repetition),
+                         lambda: raw)
+    # A token mask (constrained decoding) applies here: after penalties and bias, before the
+    # temperature, top-k and top-p of the draw, on greedy rows too.
+    sp = (seeds, steps, temperature, top_k, top_p)
+    tokens = jax.lax.cond(greedy, lambda lg: sample(lg, *sp, greedy_only=True), lambda lg: sample(lg, *sp), x)
+    lp = jax.lax.cond(jnp.any(want), lambda: logprobs(raw, tokens), lambda: no_logprobs(raw.shape[0]))
+    if tables is not None:
+        tables = penalties.record(tables, pen_row, tokens)
+    return tokens, lp, tables

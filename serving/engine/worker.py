@@ -168,13 +168,13 @@ class EngineWorker:
         compiles = self.compiles()
         at_ready = compiles if self.compiles_at_ready is None else self.compiles_at_ready
         background = getattr(e, "background", None)  # precompile.BackgroundBuild: members built while serving
-        built_behind = background.built if background is not None else 0
+        built_behind = background.variants_built if background is not None else 0
         alloc = getattr(e, "allocator", None)
         return {"pages_active": getattr(e, "num_pages_active", 0), "pages_used": alloc.num_used if alloc else 0,
                 "pages_total": alloc.capacity if alloc else 0, "sequences": len(e.seqs), "steps": self.steps,
                 "queue_depth": self._q.qsize(), "compiles": compiles,
                 "compiles_after_ready": compiles - at_ready - built_behind, "background_compiles": built_behind,
-                "background_pending": (len(background.pending) - built_behind) if background is not None else 0,
+                "background_pending": (background.variants_total - built_behind) if background is not None else 0,
                 "faults": self.faults.total,
                 "executables": resident_count() + compiled_variants()}
 

@@ -134,7 +134,7 @@ def startup_report(clock, worker) -> dict:
     engine = getattr(worker, "engine", None)
     if engine is not None and hasattr(engine, "stated"):
         extra = {"shapes": len(engine.shapes), "stated": len(engine.stated),
-                 "background_total": len(engine.background.pending) if engine.background else 0}
+                 "background_total": engine.background.variants_total if engine.background else 0}
     return clock.report(**extra)
 
 

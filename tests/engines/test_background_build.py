@@ -15,6 +15,7 @@ from pddjax.engines.engine_config import EngineConfig
 from pddjax.engines.paged_engine import PagedEngine
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.engines.step import compile_count
+from pddjax.kv import copies
 from pddjax.kv.canonical import compiled_variants
 from pddjax.model.config import SMOLLM2_135M, TINY
 from pddjax.model.sampling_params import SamplingParams
@@ -81,23 +82,32 @@ def run(eng: PagedEngine, ref: ReferenceEngine, jobs: dict, used: set) -> None:
         assert out[rid] == ref.generate(p, params, 12, ()).token_ids, rid
 
 
+def hold_background(monkeypatch) -> threading.Event:
+    """The background builder waits for the returned event before each step member and KV bucket."""
+    go = threading.Event()
+    for name in ("build_shape", "build_kv"):
+        build = getattr(precompile, name)
+
+        def held(*args, _build=build):
+            if threading.current_thread().name == "background-build":
+                assert go.wait(120)
+            _build(*args)
+
+        monkeypatch.setattr(precompile, name, held)
+    return go
+
+
 def test_an_engine_serves_on_the_cover_while_the_rest_builds_then_on_the_whole_set(tiny, monkeypatch):
     config, _ = CONFIGS["tiny"]
     eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, config)
     ref = ReferenceEngine(tiny.config, tiny.weights)
-    go = threading.Event()  # the background builder waits for it: steps run on the cover alone first
-    build = precompile.build_shape
-
-    def held(engine, shape):
-        if threading.current_thread().name == "background-build":
-            assert go.wait(120)
-        build(engine, shape)
-
-    monkeypatch.setattr(precompile, "build_shape", held)
+    go = hold_background(monkeypatch)  # steps run on the cover alone first
     eng.precompile("cover")
     cover = buckets.covering_set(eng.stated)
     assert eng.shapes == cover and eng.background is not None
     assert eng.background.pending == [s for s in eng.stated if s not in cover]
+    kv = precompile.kv_buckets(eng)
+    assert eng.background.kv_pending == [n for n in kv if n not in precompile.kv_cover(kv)] != []
     before = compile_count() + compiled_variants()
     jobs = {f"r{i}": (prompt(n, i), SEEDED if i % 2 else GREEDY) for i, n in enumerate([3, 17, 40, 90, 150, 7])}
     used: set = set()
@@ -106,11 +116,12 @@ def test_an_engine_serves_on_the_cover_while_the_rest_builds_then_on_the_whole_s
     go.set()
     assert eng.background.wait(300) and eng.background.error is None
     assert eng.shapes == eng.stated  # every member, in the set's own (cost) order
-    assert eng.background.state()["background_built"] == len(eng.stated) - len(cover)
+    assert eng.background.built == len(eng.stated) - len(cover)
+    assert set(kv) <= set(copies.copies().buckets(eng.pool)) and copies.copies().pad(eng.pool, 40) == 64
     used = set()
     run(eng, ref, {f"s{k}": v for k, v in jobs.items()}, used)
     assert used - set(cover), "the whole set built, yet every step still took a covering member"
-    assert compile_count() + compiled_variants() == before + eng.background.built  # the builder's only
+    assert compile_count() + compiled_variants() == before + eng.background.variants_built  # the builder's only
 
 
 def test_a_background_build_that_fails_leaves_the_engine_serving(tiny, monkeypatch, capsys):
@@ -129,23 +140,16 @@ def test_a_background_build_that_fails_leaves_the_engine_serving(tiny, monkeypat
     eng.precompile("cover")
     assert eng.background.wait(300)
     assert eng.background.built == 2 and "MemoryError" in eng.background.error
-    assert "background build stopped after 2 of" in capsys.readouterr().err
+    assert f"background build stopped after {eng.background.variants_built} of" in capsys.readouterr().err
     run(eng, ReferenceEngine(tiny.config, tiny.weights), {"a": (prompt(30, 1), GREEDY)}, set())
 
 
 def test_stop_ends_the_build_after_the_member_in_flight(tiny, monkeypatch):
     config, _ = CONFIGS["tiny"]
     eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, config)
-    go, build = threading.Event(), precompile.build_shape
-
-    def held(engine, shape):
-        if threading.current_thread().name == "background-build":
-            assert go.wait(120)
-        build(engine, shape)
-
-    monkeypatch.setattr(precompile, "build_shape", held)
+    go = hold_background(monkeypatch)
     eng.precompile("cover")
     threading.Timer(0.2, go.set).start()
     assert eng.background.stop(120)  # waits for the member in flight, builds no other
     assert eng.background.done.is_set() and eng.background.error is None
-    assert eng.background.built <= 1 < len(eng.background.pending)
+    assert eng.background.variants_built <= 2 and eng.background.built == 0 < len(eng.background.pending)

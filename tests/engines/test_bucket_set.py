@@ -15,6 +15,7 @@ from pddjax.engines.engine_config import EngineConfig
 from pddjax.engines.paged_engine import PagedEngine
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.engines.step import compile_count
+from pddjax.kv import copies
 from pddjax.kv.canonical import compiled_variants
 from pddjax.model.config import SMOLLM2_135M, TINY
 from pddjax.model.sampling_params import SamplingParams
@@ -185,9 +186,10 @@ def test_a_varied_workload_runs_only_members_and_compiles_nothing_after_precompi
         assert out[rid] == ref.generate(p, params, 30, ()).token_ids, rid
     assert compile_count() + compiled_variants() == before
     # the serving loop's calls hit what precompile built: no trace, lowering or compile of
-    # anything (the step, its argument conversions), and each executable's Python call path
-    # at most once (its first call sets up the C++ fast path), not once per step
+    # anything (the step, its argument conversions, the KV copies), and each executable's Python
+    # call path at most once (its first call sets up the C++ fast path), not once per step
     assert not calls["trace_to_jaxpr"] and not calls["lower_jaxpr_to_module"], calls
     assert not calls["pxla_cached_compilation"], calls
-    assert calls["stages_compiled_call"] <= len(shapes), (calls, len(shapes))
+    kv_used = {copies.copies().pad(md.pool, n) for n in lengths}  # a gather on P, a scatter on MD each
+    assert calls["stages_compiled_call"] <= len(shapes) + 2 * len(kv_used), (calls, len(shapes), kv_used)
     assert any(s[3] == 1 and s[1] > 1 for s in shapes) and any(s[3] > 1 and s[1] > 1 for s in shapes), shapes

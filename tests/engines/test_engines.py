@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pddjax.engines.paged_engine import EngineConfig, PagedEngine
-from pddjax.engines.step import compile_count, executables, resident_count, run_step
+from pddjax.engines.step import compile_count, executables, resident_count, run
 from pddjax.kv.canonical import KVImportError
 from pddjax.model.sampling_params import SamplingParams
 from tests.support.samples import prompt
@@ -20,10 +20,10 @@ class LogitsEngine(PagedEngine):
     """The paged engine keeping its last step's logits [V] of each sampled row: `logits[seq_id]`."""
 
     def _device_step(self, batch, sampling, *, max_q_len, greedy):
-        tokens, self._row_logits, self.pool = run_step(
-            self.weights, self.cfg, batch, self.pool, *sampling, max_q_len=max_q_len, impl=self.config.attention,
-            greedy=greedy, return_logits=True, layout=self.layout)  # [B], [B, V]
-        return tokens
+        out = run(self.weights, self.cfg, batch, self.pool, sampling, self.penalties.tables, max_q_len=max_q_len,
+                  impl=self.config.attention, greedy=greedy, return_logits=True, layout=self.layout)
+        self._row_logits, self.pool, self.penalties.tables = out.logits, out.pool, out.tables  # [B, V]
+        return out.tokens, out.logprobs
 
     def step(self):
         events = super().step()

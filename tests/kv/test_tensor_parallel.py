@@ -117,7 +117,7 @@ def _receive(msgs, pool, pages, out_dtype=None):
 def case_roundtrip_exact() -> None:
     import jax.numpy as jnp
 
-    from pddjax.kv import canonical
+    from pddjax.kv import canonical, copies
 
     for K, a, b in itertools.product((4, 2), DEGREES, DEGREES):
         pool, pages, ref_k, ref_v = _sender(K, a, page=4)
@@ -135,7 +135,7 @@ def case_roundtrip_exact() -> None:
         h = msgs[0].header
         assert (h.tensor_parallel, list(h.head_bounds)) == ((a, [r[0] for r in ranges] + [K]) if a > 1 else (0, []))
         sp, so = jnp.zeros(16, jnp.int32), jnp.zeros(16, jnp.int32)
-        _no_collectives(canonical._gather, pool, sp, so)
+        _no_collectives(copies._gather_jit, pool, sp, so)
         dest, dpages = _receiver(K, b, page=8, dtype=np.float32)
         sharding = dest.k.sharding
         dest, _ = _receive(msgs, dest, dpages)
@@ -151,7 +151,7 @@ def case_roundtrip_exact() -> None:
             assert np.array_equal(got, ref_k[:, :, h0:h1])
         kk = canonical._place(canonical.as_pieces(back), "k", dest, 64)  # [L, 64, K, D] placed as dest's heads
         sp64 = jnp.zeros(64, jnp.int32)
-        _no_collectives(canonical._scatter, dest, kk, kk, sp64, sp64)
+        _no_collectives(copies._scatter_jit, dest, kk, kk, sp64, sp64)
     print("roundtrip_exact ok")
 
 

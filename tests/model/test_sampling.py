@@ -75,3 +75,48 @@ def test_bisection_filters_match_a_sorting_reference():
         allowed = set(keep[cum_before < p].tolist())
         draws = {int(_sample(logits, trial, t, temp=temp, k=k, p=p)[0]) for t in range(40)}
         assert draws <= allowed, (k, p, draws - allowed)
+
+
+def test_positional_construction_keeps_its_order_and_the_new_fields_default_off():
+    p = SamplingParams(0.5, 7, 0.9, 3)
+    assert (p.temperature, p.top_k, p.top_p, p.seed) == (0.5, 7, 0.9, 3)
+    assert not p.penalised and not p.logprobs and p.top_logprobs == 0
+    p.validate(vocab_size=10)
+
+
+def test_logit_bias_is_taken_as_a_mapping_and_kept_hashable():
+    p = SamplingParams(logit_bias={9: -1.0, 2: 5.0})
+    assert p.logit_bias == ((2, 5.0), (9, -1.0)) and p.penalised
+    assert hash(p) == hash(SamplingParams(logit_bias=[(9, -1.0), (2, 5.0)]))
+    p.validate(vocab_size=10)
+    for on in (dict(presence_penalty=0.1), dict(frequency_penalty=-0.1), dict(repetition_penalty=1.1)):
+        assert SamplingParams(**on).penalised
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("bad, says", [
+    (dict(presence_penalty=NAN), "presence_penalty"), (dict(presence_penalty=2.5), r"\[-2, 2\]"),
+    (dict(frequency_penalty=-INF), "frequency_penalty"), (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), r"\(0, 2\]"), (dict(repetition_penalty=2.5), "repetition_penalty"),
+    (dict(repetition_penalty=NAN), "repetition_penalty"), (dict(presence_penalty=True), "presence_penalty"),
+    (dict(logit_bias={1: 101.0}), r"\[-100, 100\]"), (dict(logit_bias={1: NAN}), "token 1"),
+    (dict(logit_bias={-1: 1.0}), "token id -1"), (dict(logit_bias={10: 1.0}), r"\[0, 10\)"),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), "at most 300"), (dict(logit_bias=((1, 1.0), (1, 2.0))), "twice"),
+    (dict(logit_bias="x"), "pairs"), (dict(logit_bias={1.5: 1.0}), "token id 1.5"),
+    (dict(logprobs=1), "logprobs must be"), (dict(logprobs=True, top_logprobs=21), r"\[0, 20\]"),
+    (dict(logprobs=True, top_logprobs=-1), "top_logprobs"), (dict(top_logprobs=3), "needs logprobs"),
+])
+def test_bad_penalties_bias_and_logprobs_are_refused_in_one_sentence(bad, says):
+    with pytest.raises(ValueError, match=says) as e:
+        SamplingParams(**bad).validate(vocab_size=10)
+    assert str(e.value).count(". ") == 0 and "\n" not in str(e.value)
+
+
+def test_bias_ids_are_checked_against_the_vocabulary_only_where_it_is_known():
+    p = SamplingParams(logit_bias={5000: 1.0})
+    p.validate()  # the router without a vocabulary
+    with pytest.raises(ValueError, match=r"\[0, 512\)"):
+        p.validate(vocab_size=512)
+    SamplingParams(logprobs=True, top_logprobs=20, logit_bias={i: 1.0 for i in range(300)}).validate(vocab_size=512)
