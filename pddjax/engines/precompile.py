@@ -66,17 +66,18 @@ def kv_cover(kv: list[int]) -> list[int]:
     return sorted({*kv[::KV_COVER_STRIDE], kv[-1]})
 
 
-def build_kv(pool, n: int) -> None:
+def build_kv(pool, n: int, behind: bool = False) -> None:
     """Compile (or load) the KV gather and scatter for runs padded to n tokens in pools laid out
-    as `pool` (a tree of jax.ShapeDtypeStruct, `copies.abstract`)."""
-    copies.copies().build(pool, n)
+    as `pool` (a tree of jax.ShapeDtypeStruct, `copies.abstract`). `behind`: the background
+    build's (counted apart from compiles on the request path)."""
+    copies.copies().build(pool, n, behind)
 
 
-def build_shape(engine, shape: buckets.Shape) -> None:
+def build_shape(engine, shape: buckets.Shape, behind: bool = False) -> None:
     """Compile (or load) the step variant of one member."""
     batch, sampling = dummy_batch(shape)
     step.build_step(engine.weights, engine.cfg, batch, engine.pool, sampling, max_q_len=shape[3],
-                    impl=engine.config.attention, layout=engine.layout)
+                    impl=engine.config.attention, layout=engine.layout, behind=behind)
 
 
 def precompile(engine, ready: str = "all", clock=None) -> tuple[int, float]:
@@ -155,13 +156,13 @@ class BackgroundBuild:
         def build(shape) -> None:
             if self._stopping.is_set():
                 raise _Stopped
-            build_shape(self.engine, shape)
+            build_shape(self.engine, shape, behind=True)
 
         try:
             for n in self.kv_pending:
                 if self._stopping.is_set():
                     raise _Stopped
-                build_kv(self.kv_pool, n)
+                build_kv(self.kv_pool, n, behind=True)
                 self.kv_built += 1
                 self.on_progress()
             build_in_turn(self.pending, BuildLocks.for_engine(self.engine), build, joined)

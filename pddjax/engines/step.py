@@ -119,6 +119,7 @@ class Executables:
         self._lru: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self.built = 0  # variants compiled (or loaded from the disk cache) in this process
+        self.built_behind = 0  # of those, by a background build (`build(..., behind=True)`)
         self.evicted = 0
         self._weights: dict[int, tuple] = {}  # id(weights) -> (weak reference, signature)
         self.resize(capacity)
@@ -126,9 +127,10 @@ class Executables:
     def __call__(self, args: tuple, statics: dict, layout=None):
         return self.build(args, statics, layout)(*args)
 
-    def build(self, args: tuple, statics: dict, layout=None):
+    def build(self, args: tuple, statics: dict, layout=None, behind: bool = False):
         """The executable for these arguments' shapes and statics: held, or compiled now (from
-        the persistent cache on disk when it has it). Nothing runs."""
+        the persistent cache on disk when it has it). Nothing runs. `behind`: a background
+        build's compile (counted apart in `built_behind`)."""
         key = (self._weights_signature(args[0]), _signature(args[1:]), tuple(sorted(statics.items())))
         with self._lock:
             fn = self._lru.get(key)
@@ -138,9 +140,15 @@ class Executables:
             fn = _jitted(args, statics, layout).lower(*args, **statics).compile()
             with self._lock:
                 self.built += 1
+                self.built_behind += behind
                 self._lru[key] = fn
                 self._evict_to(self.capacity)
         return fn
+
+    def counts(self) -> tuple[int, int]:
+        """(built, built_behind), read together."""
+        with self._lock:
+            return self.built, self.built_behind
 
     def _weights_signature(self, w):
         """`_signature(w)`, computed once per weights object (an engine's weights never change;
@@ -264,13 +272,14 @@ def _built_tables(cfg, layout) -> Tables | None:
     return serving_tables(cfg, layout)
 
 
-def build_step(w, cfg, batch: PackedBatch, pool, sampling: tuple, *, max_q_len: int, impl: str, layout=None):
+def build_step(w, cfg, batch: PackedBatch, pool, sampling: tuple, *, max_q_len: int, impl: str, layout=None,
+               behind: bool = False):
     """Compile (or load) the serving variant of these shapes without running it -> the executable
     (a `jax.stages.Compiled`: `.as_text()` is its HLO). The penalty tables are the engine's
-    shape and placement (`serving_tables`)."""
+    shape and placement (`serving_tables`). `behind`: counted as a background build's."""
     args, statics = _arguments(w, cfg, batch, pool, _built_tables(cfg, layout), sampling, False, max_q_len, impl,
                                False, layout)
-    return _executables.build(args, statics, layout)
+    return _executables.build(args, statics, layout, behind)
 
 
 def release_tracing_caches() -> None:
@@ -282,6 +291,12 @@ def compile_count() -> int:
     """Variants of the step built in this process (evicted ones that came back count again),
     and of the penalty tables' seed program."""
     return _executables.built + penalty_state.seed_builds()
+
+
+def compile_count_foreground() -> int:
+    """Of `compile_count()`, the variants compiled on any thread but a background build's."""
+    built, behind = _executables.counts()
+    return built - behind + penalty_state.seed_builds()
 
 
 def resident_count() -> int:

@@ -141,6 +141,12 @@ def compiled_variants() -> int:
     return 2 * copies().built
 
 
+def compiled_variants_foreground() -> int:
+    """Of `compiled_variants()`, those built on any thread but a background build's."""
+    built, behind = copies().counts()
+    return 2 * (built - behind)
+
+
 def _heads(index: tuple, num_kv_heads: int) -> tuple[int, int]:
     """KV head range of a shard of a [L, T, K, D] array, from its index (slices)."""
     h0, h1, _ = index[2].indices(num_kv_heads)

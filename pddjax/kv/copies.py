@@ -62,6 +62,7 @@ class Copies:
         self._held: dict[tuple, tuple] = {}  # (layout, padded) -> (gather, scatter) executables
         self._lock = threading.Lock()
         self.built = 0  # pairs compiled or loaded in this process
+        self.built_behind = 0  # of those, by a background build (`build(..., behind=True)`)
 
     def pad(self, pool: KVPool, n: int) -> int:
         """Tokens to pad a run of n to: the natural bucket if built (or nothing is built for
@@ -80,9 +81,10 @@ class Copies:
         with self._lock:
             return sorted(p for lay, p in self._held if lay == layout)
 
-    def build(self, pool: KVPool, padded: int) -> tuple:
+    def build(self, pool: KVPool, padded: int, behind: bool = False) -> tuple:
         """The (gather, scatter) pair for `padded` tokens in pools laid out as `pool`: held, or
-        compiled now (nothing runs; `pool` may be a tree of jax.ShapeDtypeStruct)."""
+        compiled now (nothing runs; `pool` may be a tree of jax.ShapeDtypeStruct). `behind`: a
+        background build's compile (counted apart in `built_behind`)."""
         key = (_layout(pool), padded)
         with self._lock:
             pair = self._held.get(key)
@@ -97,6 +99,7 @@ class Copies:
             if key not in self._held:
                 self._held[key] = (gather, scatter)
                 self.built += 1
+                self.built_behind += behind
             return self._held[key]
 
     def gather(self, pool: KVPool, slot_pages: np.ndarray, slot_offsets: np.ndarray):
@@ -107,14 +110,20 @@ class Copies:
         """The pool (donated) with k, v [L, T, K, D] written at the slots."""
         return self.build(pool, len(slot_pages))[1](pool, k, v, slot_pages, slot_offsets)
 
+    def counts(self) -> tuple[int, int]:
+        """(built, built_behind), read together."""
+        with self._lock:
+            return self.built, self.built_behind
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)
 
     def check_integrity(self) -> None:
         with self._lock:
-            if self.built != len(self._held):
-                raise AssertionError(f"{self.built} KV copy pairs built, {len(self._held)} held")
+            if self.built != len(self._held) or not 0 <= self.built_behind <= self.built:
+                raise AssertionError(f"{self.built} KV copy pairs built ({self.built_behind} behind), "
+                                     f"{len(self._held)} held")
             for (_, padded), pair in self._held.items():
                 if padded < MIN_BUCKET or padded & (padded - 1) or len(pair) != 2:
                     raise AssertionError(f"KV copy bucket {padded} is not a power of two >= {MIN_BUCKET}")

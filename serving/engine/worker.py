@@ -43,6 +43,7 @@ class EngineWorker:
         self.faults = StepFaults(name)  # a step that raises fails its sequences, never retried
         self.metrics = None  # a ServiceMetrics: engine gauges are set from this thread (<= 4 per s, and when idle)
         self.compiles_at_ready: int | None = None  # compile count when the service went SERVING
+        self.foreground_at_ready = 0  # of those, built on any thread but the background build's
         self._snapshot_at = 0.0
         self.log = StepLog.from_env(name)  # None unless PDDJAX_STEP_LOG is set
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -157,7 +158,17 @@ class EngineWorker:
 
     def mark_ready(self) -> None:
         """The service reports SERVING now: compiles after this are counted apart."""
+        self.foreground_at_ready = self.foreground_compiles()
         self.compiles_at_ready = self.compiles()
+
+    @staticmethod
+    def foreground_compiles() -> int:
+        """Of `compiles()`, those not built by a background build: after SERVING, the request
+        path's (each counter read under its own lock, so a build in flight is never half counted)."""
+        from pddjax.engines.step import compile_count_foreground
+        from pddjax.kv.canonical import compiled_variants_foreground
+
+        return compile_count_foreground() + compiled_variants_foreground()
 
     def snapshot(self) -> dict:
         """Engine occupancy, read on the engine thread."""
@@ -166,14 +177,14 @@ class EngineWorker:
 
         e = self.engine
         compiles = self.compiles()
-        at_ready = compiles if self.compiles_at_ready is None else self.compiles_at_ready
         background = getattr(e, "background", None)  # precompile.BackgroundBuild: members built while serving
         built_behind = background.variants_built if background is not None else 0
+        after_ready = 0 if self.compiles_at_ready is None else self.foreground_compiles() - self.foreground_at_ready
         alloc = getattr(e, "allocator", None)
         return {"pages_active": getattr(e, "num_pages_active", 0), "pages_used": alloc.num_used if alloc else 0,
                 "pages_total": alloc.capacity if alloc else 0, "sequences": len(e.seqs), "steps": self.steps,
                 "queue_depth": self._q.qsize(), "compiles": compiles,
-                "compiles_after_ready": compiles - at_ready - built_behind, "background_compiles": built_behind,
+                "compiles_after_ready": after_ready, "background_compiles": built_behind,
                 "background_pending": (background.variants_total - built_behind) if background is not None else 0,
                 "faults": self.faults.total,
                 "executables": resident_count() + compiled_variants()}

@@ -60,7 +60,13 @@ class Abort(Exception):
 
 
 def from_rpc(e: grpc.aio.AioRpcError, who: str) -> Abort:
-    return Abort(e.code(), e.details() or f"{who} failed with {e.code().name}", who)
+    """A call to `who` failed -> its Abort. An UNAVAILABLE whose details do not name `who` (gRPC's
+    own words for a peer that is gone: "failed to connect to all addresses ...") gets the name
+    in front, so the client learns which part of the stack is down."""
+    details = e.details() or f"{who} failed with {e.code().name}"
+    if e.code() == grpc.StatusCode.UNAVAILABLE and who not in details:
+        details = f"{who} unavailable: {details}"
+    return Abort(e.code(), details, who)
 
 
 def _queue() -> asyncio.Queue:

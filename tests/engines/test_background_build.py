@@ -14,9 +14,9 @@ from pddjax.engines import buckets, precompile
 from pddjax.engines.engine_config import EngineConfig
 from pddjax.engines.paged_engine import PagedEngine
 from pddjax.engines.reference import ReferenceEngine
-from pddjax.engines.step import compile_count
+from pddjax.engines.step import compile_count, compile_count_foreground
 from pddjax.kv import copies
-from pddjax.kv.canonical import compiled_variants
+from pddjax.kv.canonical import compiled_variants, compiled_variants_foreground
 from pddjax.model.config import SMOLLM2_135M, TINY
 from pddjax.model.sampling_params import SamplingParams
 from tests.support.samples import prompt
@@ -88,10 +88,10 @@ def hold_background(monkeypatch) -> threading.Event:
     for name in ("build_shape", "build_kv"):
         build = getattr(precompile, name)
 
-        def held(*args, _build=build):
+        def held(*args, _build=build, **kw):
             if threading.current_thread().name == "background-build":
                 assert go.wait(120)
-            _build(*args)
+            _build(*args, **kw)
 
         monkeypatch.setattr(precompile, name, held)
     return go
@@ -108,7 +108,7 @@ def test_an_engine_serves_on_the_cover_while_the_rest_builds_then_on_the_whole_s
     assert eng.background.pending == [s for s in eng.stated if s not in cover]
     kv = precompile.kv_buckets(eng)
     assert eng.background.kv_pending == [n for n in kv if n not in precompile.kv_cover(kv)] != []
-    before = compile_count() + compiled_variants()
+    before, foreground = compile_count() + compiled_variants(), foreground_compiles()
     jobs = {f"r{i}": (prompt(n, i), SEEDED if i % 2 else GREEDY) for i, n in enumerate([3, 17, 40, 90, 150, 7])}
     used: set = set()
     run(eng, ref, jobs, used)
@@ -122,6 +122,55 @@ def test_an_engine_serves_on_the_cover_while_the_rest_builds_then_on_the_whole_s
     run(eng, ref, {f"s{k}": v for k, v in jobs.items()}, used)
     assert used - set(cover), "the whole set built, yet every step still took a covering member"
     assert compile_count() + compiled_variants() == before + eng.background.variants_built  # the builder's only
+    assert foreground_compiles() == foreground  # every one of them counted as the builder's
+
+
+def foreground_compiles() -> int:
+    return compile_count_foreground() + compiled_variants_foreground()
+
+
+def test_what_the_background_built_before_serving_never_counts_as_a_request_path_compile(tiny, monkeypatch):
+    """The background build starts before the service reports SERVING: members it finished
+    before then are in the count at ready and must not be taken off again (the gauge read -4),
+    and a compile on the request path after ready still counts."""
+    import asyncio
+
+    from serving.engine.worker import EngineWorker
+
+    config, _ = CONFIGS["tiny"]
+    eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, config)
+    gate, started = threading.Semaphore(3), []  # three builds before ready, the rest after
+    for name in ("build_shape", "build_kv"):
+        build = getattr(precompile, name)
+
+        def gated(*args, _build=build, **kw):
+            if threading.current_thread().name == "background-build":
+                assert gate.acquire(timeout=120)
+                started.append(args[-1])
+            _build(*args, **kw)
+
+        monkeypatch.setattr(precompile, name, gated)
+    eng.precompile("cover")
+    loop = asyncio.new_event_loop()
+    worker = EngineWorker(eng, loop, name="engine-test")
+    try:
+        for _ in range(600):
+            if eng.background.variants_built >= 4:  # two KV buckets (2 executables each) by now
+                break
+            threading.Event().wait(0.05)
+        worker.mark_ready()
+        assert eng.background.variants_built >= 4 and not eng.background.done.is_set()
+        for _ in range(len(eng.stated) + 20):
+            gate.release()
+        assert eng.background.wait(300) and eng.background.error is None
+        snap = worker.snapshot()
+        assert snap["compiles_after_ready"] == 0 and snap["background_compiles"] == eng.background.variants_built
+        T, B, MP, Q = eng.stated[0]
+        precompile.build_shape(eng, (T, B, MP + 1, Q))  # a shape outside the set, built on this thread
+        assert worker.snapshot()["compiles_after_ready"] == 1
+    finally:
+        worker.stop()
+        loop.close()
 
 
 def test_a_background_build_that_fails_leaves_the_engine_serving(tiny, monkeypatch, capsys):
@@ -129,12 +178,12 @@ def test_a_background_build_that_fails_leaves_the_engine_serving(tiny, monkeypat
     eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, config)
     build, calls = precompile.build_shape, []
 
-    def failing(engine, shape):
+    def failing(engine, shape, **kw):
         if threading.current_thread().name == "background-build":
             calls.append(shape)
             if len(calls) == 3:
                 raise MemoryError("no room for another executable")
-        build(engine, shape)
+        build(engine, shape, **kw)
 
     monkeypatch.setattr(precompile, "build_shape", failing)
     eng.precompile("cover")

@@ -5,9 +5,7 @@ batches, KV imports and extend handoffs) in its members only, compiling nothing 
 from __future__ import annotations
 
 import collections
-import contextlib
 
-import jax._src.util as jax_util
 import numpy as np
 
 from pddjax.engines import buckets
@@ -19,6 +17,7 @@ from pddjax.kv import copies
 from pddjax.kv.canonical import compiled_variants
 from pddjax.model.config import SMOLLM2_135M, TINY
 from pddjax.model.sampling_params import SamplingParams
+from tests.support.jax_events import jax_events
 from tests.support.samples import prompt
 
 GREEDY = SamplingParams()
@@ -119,26 +118,6 @@ def test_equal_prompts_share_a_step_with_q_below_t(tiny):
     assert eng.last_shape == (128, 4, 32, 32, 4)
     assert {e.seq_id: e.token for e in events} == {rid: ref.generate(p, GREEDY, 1, ()).token_ids[0]
                                                    for rid, p in prompts.items()}
-
-
-@contextlib.contextmanager
-def jax_events():
-    """{event: count} of JAX's internal test events while inside: 'trace_to_jaxpr' (a trace),
-    'lower_jaxpr_to_module' (a lowering), 'pxla_cached_compilation' (an XLA compile or disk
-    load), 'stages_compiled_call' (a compiled executable called through its Python path)."""
-    counts: collections.Counter = collections.Counter()
-    before = jax_util.test_event_listener
-
-    def listen(name, *args):
-        counts[name] += 1
-        if before is not None:
-            before(name, *args)
-
-    jax_util.test_event_listener = listen
-    try:
-        yield counts
-    finally:
-        jax_util.test_event_listener = before
 
 
 def test_a_varied_workload_runs_only_members_and_compiles_nothing_after_precompile(tiny):

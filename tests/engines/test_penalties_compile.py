@@ -7,7 +7,7 @@ from pddjax.engines.paged_engine import EngineConfig, PagedEngine
 from pddjax.engines.step import compile_count
 from pddjax.kv.canonical import compiled_variants
 from pddjax.model.sampling_params import SamplingParams
-from tests.engines.test_bucket_set import jax_events
+from tests.support.jax_events import jax_events
 from tests.support.samples import prompt
 
 MIX = [SamplingParams(), SamplingParams(0.9, 40, 0.95, 7), SamplingParams(presence_penalty=-1.0, frequency_penalty=0.5),

@@ -60,6 +60,15 @@ def test_the_broken_count_is_caught():
     try:
         held.check_integrity()
     except AssertionError as e:
-        assert "2 KV copy pairs built, 1 held" in str(e)
+        assert "2 KV copy pairs built (0 behind), 1 held" in str(e)
     else:
         raise AssertionError("a miscounted copies table passed its check")
+    held.built -= 1
+    held.check_integrity()
+    held.built_behind = 2  # more built behind than built at all
+    try:
+        held.check_integrity()
+    except AssertionError as e:
+        assert "1 KV copy pairs built (2 behind), 1 held" in str(e)
+    else:
+        raise AssertionError("a background count above the total passed its check")

@@ -279,3 +279,18 @@ def test_output_stays_on_relay_when_main_disagrees():
 
     r, msgs = asyncio.run(run())
     assert r.tokens == [1, 2, 3, 4] and set(r.sources) == {common_pb2.ROLE_RELAY} and r.handoff_at is None
+
+
+def test_a_peer_that_is_gone_is_named_in_the_abort():
+    """gRPC's own words for an unreachable peer do not say which part of the stack it was."""
+    from serving.router.request import from_rpc
+
+    gone = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
+                                "failed to connect to all addresses; last error: Connection refused")
+    a = from_rpc(gone, "prefill")
+    assert (a.code, a.stage) == (grpc.StatusCode.UNAVAILABLE, "prefill")
+    assert a.message == "prefill unavailable: failed to connect to all addresses; last error: Connection refused"
+    said = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "prefill is draining")
+    assert from_rpc(said, "prefill").message == "prefill is draining"  # already named: unchanged
+    other = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, None, None, "P broke")
+    assert from_rpc(other, "prefill").message == "P broke"
