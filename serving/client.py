@@ -45,6 +45,8 @@ class Result:
     timings: dict  # as the router measured them
     explain: str
     messages: int  # stream messages that carried tokens
+    # when the request asked: per token (logprob, ((token id, logprob), ...) most likely first)
+    logprobs: list = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -52,10 +54,17 @@ class Result:
 
 def make_request(prompt_ids=None, text=None, chat=None, *, max_tokens=16, temperature=0.0, top_k=0, top_p=1.0,
                  seed=0, stop_ids=(), stop_strings=(), pipeline="auto", handoff=None, request_id="", session_id="",
-                 ignore_eos=False) -> router_pb2.GenerateRequest:
+                 ignore_eos=False, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                 logit_bias=(), logprobs=False, top_logprobs=0) -> router_pb2.GenerateRequest:
+    """A GenerateRequest; `logit_bias`: (token id, bias) pairs or a mapping of them."""
+    bias = logit_bias.items() if isinstance(logit_bias, dict) else logit_bias
+    sampling = common_pb2.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                   repetition_penalty=repetition_penalty,
+                                   logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in bias],
+                                   logprobs=logprobs, top_logprobs=top_logprobs)
     req = router_pb2.GenerateRequest(
-        request_id=request_id, session_id=session_id, max_tokens=max_tokens,
-        sampling=common_pb2.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        request_id=request_id, session_id=session_id, max_tokens=max_tokens, sampling=sampling,
         stop_token_ids=list(stop_ids), stop_strings=list(stop_strings), pipeline=PIPELINES[pipeline],
         handoff=HANDOFFS[handoff], ignore_eos=ignore_eos)
     if prompt_ids is not None:
@@ -111,7 +120,7 @@ class Client:
 
     def generate(self, req: router_pb2.GenerateRequest, timeout: float | None = None, on_tokens=None) -> Result:
         t0 = time.perf_counter()
-        ttft, toks, srcs, text, last, first, n = None, [], [], "", None, None, 0
+        ttft, toks, srcs, text, last, first, n, lps = None, [], [], "", None, None, 0, []
         try:
             for msg in self.stub.Generate(req, timeout=timeout, metadata=self.metadata):
                 first = first or msg
@@ -123,6 +132,7 @@ class Client:
                 toks += msg.token_ids
                 srcs += [_SOURCES.get(s, "?") for s in msg.sources]
                 text += msg.text
+                lps += [(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in msg.logprobs]
                 last = msg
         except grpc.RpcError as e:
             raise RouterError(e.code(), e.details()) from None
@@ -131,4 +141,4 @@ class Client:
         timings = {f.name: round(getattr(t, f.name), 2) for f in t.DESCRIPTOR.fields}
         return Result(first.request_id, _PIPELINE_NAMES[first.pipeline], list(first.prompt_token_ids), toks, srcs, text,
                       _FINISH[last.finish_reason], round(1e3 * (ttft or 0), 2),
-                      round(1e3 * (time.perf_counter() - t0), 2), usage, timings, first.explain, n)
+                      round(1e3 * (time.perf_counter() - t0), 2), usage, timings, first.explain, n, lps)

@@ -51,7 +51,8 @@ class WireError(Exception):
 
 def chunk_crc(c: cluster_pb2.KVChunk) -> int:
     """zlib.crc32 of (request id, seq, start, num_tokens, last, known tokens[, head range][, the
-    header's kv_wire, page_tokens[, tensor_parallel and head_bounds]]) then k, v and scales as encoded."""
+    header's kv_wire, page_tokens[, tensor_parallel and head_bounds]][, the known tokens' logprobs
+    serialized]) then k, v and scales as encoded."""
     meta = struct.pack(f"<IIII?{len(c.known_tokens)}I", c.seq, c.start, c.num_tokens, len(c.known_tokens), c.last,
                        *c.known_tokens) + c.request_id.encode()
     if c.head_end:  # a piece of the heads (a tensor-parallel sender); absent = all heads, as before
@@ -60,6 +61,8 @@ def chunk_crc(c: cluster_pb2.KVChunk) -> int:
         meta += struct.pack("<I", c.header.page_tokens) + c.header.kv_wire.encode()
         if c.header.head_bounds:
             meta += struct.pack(f"<I{len(c.header.head_bounds)}I", c.header.tensor_parallel, *c.header.head_bounds)
+    for lp in c.known_logprobs:  # absent unless the request asked for logprobs
+        meta += lp.SerializeToString(deterministic=True)
     return zlib.crc32(c.scales, zlib.crc32(c.v, zlib.crc32(c.k, zlib.crc32(meta))))
 
 
@@ -92,7 +95,10 @@ class Chunker:
             raise ValueError(f"KV head split {bounds} differs from the stream's {self.bounds}")
         return bounds
 
-    def feed(self, run: Pieces, known_tokens: list[int] | None = None) -> list[cluster_pb2.KVChunk]:
+    def feed(self, run: Pieces, known_tokens: list[int] | None = None,
+             known_logprobs: list | None = None) -> list[cluster_pb2.KVChunk]:
+        """Chunks of the tokens of `run` not sent yet; the last carries `known_tokens` and their
+        logprobs (common_pb2.TokenLogprob, one per known token, or none)."""
         pieces = as_pieces(run)
         bounds = self._split(pieces)
         split = self.tensor_parallel > 1 or len(pieces) > 1  # head fields on the wire
@@ -111,6 +117,8 @@ class Chunker:
                 b = b // S * S if b // S * S > a else min(first.end, (a // S + 1) * S)
             for i, r in enumerate(pieces):
                 c = self._chunk(r, a, b, known_tokens, last=b == self.end and i == len(pieces) - 1)
+                if c.last and known_logprobs:
+                    c.known_logprobs.extend(known_logprobs)
                 if split:
                     c.head_start, c.head_end = r.head_start, r.head_end
                 if self.seq == 0:

@@ -144,11 +144,26 @@ def sampling_from_pb(s: common_pb2.Sampling) -> SamplingParams:
     as 1.0 (off). Any other out-of-range value (a negative or NaN top_p among them) passes through
     for `validate_spec` to refuse."""
     top_p = 1.0 if s.top_p == 0 else float(s.top_p)
-    return SamplingParams(float(s.temperature), int(s.top_k), top_p, int(s.seed))
+    repetition = 1.0 if s.repetition_penalty == 0 else float(s.repetition_penalty)
+    return SamplingParams(float(s.temperature), int(s.top_k), top_p, int(s.seed),
+                          presence_penalty=float(s.presence_penalty), frequency_penalty=float(s.frequency_penalty),
+                          repetition_penalty=repetition,
+                          logit_bias=tuple((int(b.token_id), float(b.bias)) for b in s.logit_bias),
+                          logprobs=bool(s.logprobs), top_logprobs=int(s.top_logprobs))
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.Sampling:
-    return common_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+    return common_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+                               presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                               repetition_penalty=p.repetition_penalty,
+                               logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias],
+                               logprobs=p.logprobs, top_logprobs=p.top_logprobs)
+
+
+def logprob_to_pb(lp) -> common_pb2.TokenLogprob:
+    """An engine's TokenLogprobs (engines/engine_api.py) -> the wire's TokenLogprob."""
+    return common_pb2.TokenLogprob(logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
+                                   top_logprobs=[v for _, v in lp.top])
 
 
 def spec_from_pb(spec: cluster_pb2.SequenceSpec):
@@ -176,7 +191,7 @@ def validate_spec(cfg, rid, prompt, params, max_tokens) -> str | None:
         return (f"prompt ({len(prompt)} tokens) plus max_tokens {max_tokens} exceeds the model context of "
                 f"{cfg.max_context}")
     try:
-        params.validate()
+        params.validate(cfg.vocab_size)
     except ValueError as e:
         return str(e)
     return None

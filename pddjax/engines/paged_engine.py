@@ -23,6 +23,13 @@ Sampling state: penalties and logit_bias read the engine's penalty tables (`self
 engines/penalty_state.py: a row per penalised sequence, rebuilt from token ids whenever the
 tokens come from elsewhere); a request with `logprobs` gets them on each TokenEvent. Neither
 changes a step's shape. A multi-host instance holds no tables and refuses penalised requests.
+Constrained decoding (`SamplingParams.grammar`): the engine's `grammar` compiler (built from the
+model's tokenizer, pddjax/grammar/; None: constrained requests refused) gives each such sequence
+a matcher at `add`; before a step, each constrained row that samples fills its row of the
+step's token mask (int32 [B, ceil(V / 32)], all ones elsewhere; no mask array at all when no
+row is constrained); each token recorded or appended advances its matcher (Sequence), and a
+complete grammar finishes the row with "stop". The next mask depends on the token the step
+being run samples, so it is filled after the step returns, on the host, before the next one.
 
 Device calls: a step's forward (`_device_step`), a KV import's write (`_write_kv`), a KV
 export's read (`_read_kv`) and a penalty row's seeding (`PenaltyRows`) are the engine's only
@@ -59,7 +66,7 @@ from pddjax.model.sampling_params import GREEDY, SamplingParams
 
 class PagedEngine(Engine):
     def __init__(self, cfg: ModelConfig, weights: wmod.Weights, fingerprint: str,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, grammar=None):
         config = config or EngineConfig()
         if config.attention == "auto":
             config = dataclasses.replace(config, attention=default_impl())
@@ -77,6 +84,8 @@ class PagedEngine(Engine):
         self.radix = RadixCache(config.page_size, self.allocator)
         tables = serving_tables(cfg, self.layout)  # None on a multi-host instance
         self.penalties = PenaltyRows(tables) if tables is not None else None
+        self.grammar = grammar  # a pddjax.grammar.compiler.GrammarCompiler for this model's tokenizer, or None
+        self._mask_words = (cfg.vocab_size + 31) // 32  # int32 words of a token mask row
         self.seqs: dict[str, Sequence] = {}
         self.stated = buckets.bucket_set(config, cfg)  # every (T, B, MP, Q) a step may have
         self.shapes = list(self.stated)  # the members a step may take now (those built: `precompile`)
@@ -126,10 +135,16 @@ class PagedEngine(Engine):
         ValueError if they never can (more than `max_sequence_tokens`)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already exists")
-        if params.penalised or params.logprobs:
+        if params.penalised or params.logprobs or params.grammar is not None:
             params.validate(self.cfg.vocab_size)  # (the router checked the rest; bias ids need the vocabulary)
             if params.penalised and self.penalties is None:
                 raise ValueError("penalties and logit_bias are not available on a multi-host instance")
+        matcher = None
+        if params.grammar is not None:
+            if self.grammar is None:
+                raise ValueError("constrained decoding needs the model's tokenizer: this engine has no grammar "
+                                 "compiler")
+            matcher = self.grammar.matcher(params.grammar)  # ValueError: a grammar llguidance refuses
         if not prompt or len(prompt) + max_tokens > self.cfg.max_context:
             raise ValueError(f"prompt of {len(prompt)} tokens plus {max_tokens} does not fit the context")
         S = self.config.page_size
@@ -156,7 +171,7 @@ class PagedEngine(Engine):
         seq = Sequence(seq_id, list(prompt), params, max_tokens,
                        frozenset(self.cfg.eos_token_ids if stop_ids is None else stop_ids), pages,
                        prefix_node=node if cached_pages else None, hold_on_finish=hold_on_finish,
-                       table_width=self._table_width)
+                       table_width=self._table_width, matcher=matcher)
         self.seqs[seq_id] = seq
         return seq
 
@@ -207,7 +222,8 @@ class PagedEngine(Engine):
         shape = buckets.fit(self.shapes, sum(n for _, n in rows), len(rows), width, max(n for _, n in rows))
         batch, sample_rows, greedy = self._build(rows, shape)
         pen = self.penalties.prepare(rows, sample_rows) if self.penalties is not None else None
-        sp = self._sampling_arrays(rows, shape[1], pen)
+        mask = step_batch.token_masks(rows, sample_rows, shape[1], self._mask_words)  # [B, W] or None
+        sp = self._sampling_arrays(rows, shape[1], pen, mask)
         self.last_shape = (*shape, len(rows))
         # run: asynchronous on the device, so the KV bookkeeping below overlaps it
         tokens, lp = self._device_step(batch, sp, max_q_len=shape[3], greedy=greedy)  # [B], logprobs
@@ -262,8 +278,8 @@ class PagedEngine(Engine):
         return step_batch.build(rows, shape, self.config.page_size)
 
     @staticmethod
-    def _sampling_arrays(rows, B, pen_rows=None):
-        return step_batch.sampling_arrays(rows, B, pen_rows)
+    def _sampling_arrays(rows, B, pen_rows=None, mask=None):
+        return step_batch.sampling_arrays(rows, B, pen_rows, mask)
 
     def precompile(self, ready: str = "all", clock=None) -> tuple[int, float]:
         """Build the stated set's step variants ("all"; "cover": a covering few, the rest in the
@@ -320,6 +336,8 @@ class PagedEngine(Engine):
         owners: dict[int, int] = {}
         for s in self.seqs.values():
             s.pages.check_integrity()
+            if s.matcher is not None:
+                s.matcher.check_integrity(len(s.generated))
             assert s.pages.num_tokens <= s.num_tokens, f"{s.seq_id}: more KV than tokens"
             n = len(s.pages.pages)
             assert s.page_array[:n].tolist() == s.pages.pages and not s.page_array[n:].any(), \

@@ -42,15 +42,17 @@ READY = ("all", "cover")
 BACKGROUND_NICE = 10  # the background builder's thread runs this much below the engine's
 
 
-def dummy_batch(shape: buckets.Shape) -> tuple[PackedBatch, tuple]:
+def dummy_batch(shape: buckets.Shape, vocab_size: int | None = None) -> tuple[PackedBatch, tuple]:
     """An all-padding batch of `shape` (every slot page 0, the scratch page) and its sampling
     arrays, numpy with the dtypes `PagedEngine._build` / `_sampling_arrays` give: the very
-    signature the serving loop calls the step with, so its calls hit what this builds."""
+    signature the serving loop calls the step with, so its calls hit what this builds. The token
+    mask (int32 [B, ceil(V / 32)], all ones) is among them when `vocab_size` is given; without it
+    the step adds the same all-ones mask itself (`step._arguments`): one signature either way."""
     T, B, MP, _ = shape
     z = np.zeros
     batch = PackedBatch(z(T, np.int32), z(T, np.int32), np.full(T, NULL_PAGE, np.int32), z(T, np.int32),
                         z(B + 1, np.int32), z(B, np.int32), z((B, MP), np.int32), z(B, np.int32))
-    return batch, step.neutral_sampling(B)  # seeds, steps, temperature, top_k, top_p, pen_row .. want_logprobs
+    return batch, step.neutral_sampling(B, vocab_size)  # seeds, steps, temperature, top_k, top_p, pen_row .. mask
 
 
 def kv_buckets(engine) -> list[int]:

@@ -5,7 +5,11 @@ must reproduce its tokens exactly (and their logprobs, to float tolerance). Pref
 cache lengths are bucketed to powers of two so a steady workload reuses compiled code.
 Penalties and logit_bias: the whole state is kept on the host as dense [V] arrays (counts of
 generated tokens, prompt presence, bias) and passed with each token's call (`penalties.apply`,
-the math the paged step runs); logprobs come from each token's raw logits.
+the math the paged step runs); logprobs come from each token's raw logits. Constrained decoding
+(`params.grammar`, compiled by the engine's `grammar` compiler): before each token its
+matcher's packed mask is unpacked on the host by the numpy twin (`token_mask.allowed_np`) and
+the disallowed logits set to -inf after penalties, before sampling; each token advances the
+matcher, and a complete grammar ends the answer with "stop".
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pddjax.engines.engine_api import TokenLogprobs
-from pddjax.model import penalties
+from pddjax.model import penalties, token_mask
 from pddjax.model import weights as wmod
 from pddjax.model.config import ModelConfig
 from pddjax.model.dense import DenseKV, forward_dense
@@ -54,21 +58,29 @@ def _penalised(logits, pen):
     return logits if pen is None else penalties.apply(logits, *pen)
 
 
+def _processed(logits, pen, allowed):
+    # allowed: None, or bool [1, V] (the grammar's next tokens)
+    x = _penalised(logits, pen)
+    return x if allowed is None else jnp.where(allowed, x, -jnp.inf)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
-def _prefill(w, cfg: ModelConfig, tokens, length, cache, seeds, steps, temp, top_k, top_p, greedy=False, pen=None):
+def _prefill(w, cfg: ModelConfig, tokens, length, cache, seeds, steps, temp, top_k, top_p, greedy=False, pen=None,
+             allowed=None):
     # tokens: [1, Tb] padded; length: [] valid tokens -> (first token [1], raw logits [1, V], cache)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     logits, cache = forward_dense(w, cfg, tokens, positions, cache, last_only=(length - 1).reshape(1))
     last = logits[:, 0]  # [1, V]
-    return sample(_penalised(last, pen), seeds, steps, temp, top_k, top_p, greedy_only=greedy), last, cache
+    return sample(_processed(last, pen, allowed), seeds, steps, temp, top_k, top_p, greedy_only=greedy), last, cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
-def _decode(w, cfg: ModelConfig, token, position, cache, seeds, steps, temp, top_k, top_p, greedy=False, pen=None):
+def _decode(w, cfg: ModelConfig, token, position, cache, seeds, steps, temp, top_k, top_p, greedy=False, pen=None,
+            allowed=None):
     # token: [1] last sampled id; position: [] its position -> (next token [1], raw logits [1, V], cache)
     logits, cache = forward_dense(w, cfg, token[:, None], position.reshape(1, 1), cache)  # [1, 1, V]
     last = logits[:, 0]
-    return sample(_penalised(last, pen), seeds, steps, temp, top_k, top_p, greedy_only=greedy), last, cache
+    return sample(_processed(last, pen, allowed), seeds, steps, temp, top_k, top_p, greedy_only=greedy), last, cache
 
 
 _logprobs = jax.jit(logprobs_of)
@@ -94,14 +106,17 @@ class _HostPenalties:
 class ReferenceEngine:
     """Single-request generation; jitted prefill and decode with a donated dense cache."""
 
-    def __init__(self, cfg: ModelConfig, weights: wmod.Weights, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, weights: wmod.Weights, dtype=jnp.float32, grammar=None):
         self.cfg = cfg
+        self.grammar = grammar  # a pddjax.grammar.compiler.GrammarCompiler (None: constrained requests refused)
         self.dtype = jnp.dtype(dtype)
         self.weights = wmod.cast(weights, self.dtype)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-               stop_ids: tuple[int, ...] | None = None, return_logits: bool = False) -> Iterator:
-        """Yields generated token ids (or (id, raw logits [V]) pairs); stops after a stop id or max_tokens."""
+               stop_ids: tuple[int, ...] | None = None, return_logits: bool = False, matcher=None) -> Iterator:
+        """Yields generated token ids (or (id, raw logits [V]) pairs); stops after a stop id, a
+        complete grammar or max_tokens. `matcher`: the grammar's to follow (default: a fresh one
+        for params.grammar)."""
         cfg = self.cfg
         stop = set(cfg.eos_token_ids if stop_ids is None else stop_ids)
         n = len(prompt_ids)
@@ -116,29 +131,39 @@ class ReferenceEngine:
         tokens = np.zeros((1, tb), np.int32)
         tokens[0, :n] = prompt_ids
         pen = _HostPenalties(params, prompt_ids, cfg.vocab_size) if params.penalised else None
+        if matcher is None and params.grammar is not None:
+            if self.grammar is None:
+                raise ValueError("constrained decoding needs the model's tokenizer: this engine has no grammar "
+                                 "compiler")
+            matcher = self.grammar.matcher(params.grammar)
+        allowed = lambda: None if matcher is None else token_mask.allowed_np(matcher.mask(), cfg.vocab_size)[None]  # noqa: E731
         tok, logits, cache = _prefill(self.weights, cfg, jnp.asarray(tokens), jnp.int32(n), cache,
-                                      *_sampling_arrays(params, 0), greedy=greedy, pen=pen.arrays() if pen else None)
+                                      *_sampling_arrays(params, 0), greedy=greedy, pen=pen.arrays() if pen else None,
+                                      allowed=allowed())
         for step in range(max_tokens):
             t = int(tok[0])
+            if matcher is not None:
+                matcher.advance([t])
             yield (t, np.asarray(logits[0])) if return_logits else t
-            if t in stop or step + 1 == max_tokens:
+            if t in stop or step + 1 == max_tokens or (matcher is not None and matcher.is_finished()):
                 return
             if pen is not None:
                 pen.counts[t] += 1
             tok, logits, cache = _decode(self.weights, cfg, tok, jnp.int32(n + step), cache,
                                          *_sampling_arrays(params, step + 1), greedy=greedy,
-                                         pen=pen.arrays() if pen else None)
+                                         pen=pen.arrays() if pen else None, allowed=allowed())
 
     def generate(self, prompt_ids: list[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
                  stop_ids: tuple[int, ...] | None = None) -> GenerationResult:
         """The whole answer; with params.logprobs, each token's logprob and top_logprobs alternatives."""
         out, lps = [], []
-        for t, logits in self.stream(prompt_ids, params, max_tokens, stop_ids, return_logits=True):
+        matcher = self.grammar.matcher(params.grammar) if params.grammar is not None and self.grammar else None
+        for t, logits in self.stream(prompt_ids, params, max_tokens, stop_ids, return_logits=True, matcher=matcher):
             out.append(t)
             if params.logprobs:
                 chosen, ids, vals = jax.device_get(_logprobs(logits[None], np.asarray([t], np.int32)))
                 k = params.top_logprobs
                 lps.append(TokenLogprobs(float(chosen[0]), tuple(zip(ids[0, :k].tolist(), vals[0, :k].tolist()))))
         stop = set(self.cfg.eos_token_ids if stop_ids is None else stop_ids)
-        reason = "stop" if out and out[-1] in stop else "length"
+        reason = "stop" if out and (out[-1] in stop or (matcher is not None and matcher.is_finished())) else "length"
         return GenerationResult(list(prompt_ids), out, reason, lps if params.logprobs else None)

@@ -3,7 +3,11 @@
 tokens = prompt + generated; KV exists for tokens[:pages.num_tokens]; the rest is pending and
 goes into the next step as one row (prefill chunk, extend, or single-token decode). Output
 position t is generated[t]: the first token (sampled after the prompt) is position 0.
-`generated` changes only through record / append_known / rollback (the penalty row follows it).
+`generated` changes only through record / append_known / rollback (the penalty row follows it;
+so does a constrained sequence's grammar matcher, which has consumed exactly `generated`: each
+token is advanced through as it is recorded or appended, a token the grammar refuses is a
+ValueError before anything is appended, and the sequence finishes with "stop" once the grammar
+is complete, `Matcher.is_finished`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Sequence:
     table_width: int = 0  # page_array's length at least (the engine's widest page table)
     pen_row: int = -1  # the engine's penalty table row (-1: none; engines/penalty_state.py)
     pen_counted: int = -1  # generated tokens that row holds (-1: to be seeded in full)
+    matcher: object | None = None  # the grammar's pddjax.grammar.matcher.Matcher (None: unconstrained)
     page_array: np.ndarray = dataclasses.field(init=False, repr=False)  # [max(width, pages)] int32, page 0 padded
 
     def __post_init__(self):
@@ -68,6 +73,8 @@ class Sequence:
 
     def record(self, token: int) -> None:
         """A token sampled by this engine at output position len(generated)."""
+        if self.matcher is not None:
+            self.matcher.advance([token])
         self.generated.append(token)
         self.num_sampled_here += 1
         self._check_finished()
@@ -75,10 +82,12 @@ class Sequence:
     def append_known(self, start_pos: int, tokens: list[int]) -> None:
         """Tokens produced elsewhere (RLD handoff) at output positions start_pos...
 
-        Overlap with tokens already here must agree (same seed, same position, same token)."""
+        Overlap with tokens already here must agree (same seed, same position, same token); the
+        new ones must be what the grammar allows, if there is one (on a refused token, none is kept)."""
         if start_pos > len(self.generated):
             raise ValueError(f"handoff for {self.seq_id} starts at output position {start_pos} "
                              f"but only {len(self.generated)} tokens are known")
+        base = len(self.generated)
         for i, t in enumerate(tokens):
             p = start_pos + i
             if p < len(self.generated):
@@ -86,6 +95,12 @@ class Sequence:
                     raise ValueError(f"handoff for {self.seq_id} disagrees at output position {p}: "
                                      f"{t} vs {self.generated[p]}")
             else:
+                if self.matcher is not None:
+                    try:
+                        self.matcher.advance([t])
+                    except ValueError:
+                        self.rollback(base)
+                        raise
                 self.generated.append(t)
                 if self._check_finished():
                     return
@@ -94,6 +109,8 @@ class Sequence:
         """Forget output tokens from position num_generated on (a handoff from another tier
         disagrees with tokens sampled here); their KV is recomputed on the next step."""
         if num_generated < len(self.generated):
+            if self.matcher is not None:
+                self.matcher.rollback(len(self.generated) - num_generated)
             self.generated = self.generated[:num_generated]
             if self.pen_counted > num_generated:  # the penalty row counted tokens now gone
                 self.pen_counted = -1
@@ -102,6 +119,8 @@ class Sequence:
 
     def _check_finished(self) -> bool:
         if self.generated and self.generated[-1] in self.stop_ids:
+            self.finish_reason = "stop"
+        elif self.matcher is not None and self.matcher.is_finished():
             self.finish_reason = "stop"
         elif len(self.generated) >= self.max_tokens:
             self.finish_reason = "length"

@@ -6,8 +6,11 @@ Greedy is an argument, not a static: `lax.cond` runs argmax or the sampler, so g
 sampled steps share one executable per shape. So are penalties, logit bias and logprobs
 (`sampling.sample_step`): per-row arrays of shape [B] and the engine's penalty tables
 (`penalties.Tables`, [ROWS, V], donated like the pool: the step counts each sampled token in
-its row), each part skipped by `lax.cond` when no row of the step uses it. They add no member
-to the shape set and no key: every step of an engine passes them, of the same shapes.
+its row), each part skipped by `lax.cond` when no row of the step uses it. So is the token mask
+of constrained decoding (int32 [B, ceil(V / 32)], `model/token_mask.py`; all ones for an
+unconstrained row, and the whole masking skipped when every row is all ones). They add no member
+to the shape set and no key: every step of an engine passes them, of the same shapes (a caller
+that leaves the mask out gets a shared all-ones one of the same shape and dtype).
 
 Every distinct shape key (T, B, MP, Q) is its own XLA executable, a few MB of host memory
 each. An engine runs only the shapes of its stated set (`buckets.bucket_set`) and builds them
@@ -45,6 +48,7 @@ import numpy as np
 from pddjax import env
 from pddjax.engines import penalty_state
 from pddjax.kv.pool import KVPool
+from pddjax.model import token_mask
 from pddjax.model.paged import PackedBatch, forward_paged
 from pddjax.model.penalties import Tables
 from pddjax.model.sampling import sample_step
@@ -53,7 +57,7 @@ TRIM_EVERY = 8  # evictions between clearing JAX's internal caches
 
 
 STATICS = ("cfg", "max_q_len", "impl", "return_logits")
-NUM_SAMPLING = 10  # per-step sampling arrays (`sampling.sample_step`), each [B]
+NUM_SAMPLING = 11  # per-step sampling arrays (`sampling.sample_step`): ten [B], the token mask [B, W]
 
 
 class StepOut(NamedTuple):
@@ -65,17 +69,18 @@ class StepOut(NamedTuple):
 
 
 def _step(w, batch: PackedBatch, pool, tables, seeds, steps, temperature, top_k, top_p, pen_row, presence,
-          frequency, repetition, want_logprobs, greedy, *, cfg, max_q_len: int, impl: str, return_logits: bool = False,
-          mesh=None, kv_sharded: bool = True):
+          frequency, repetition, want_logprobs, mask, greedy, *, cfg, max_q_len: int, impl: str,
+          return_logits: bool = False, mesh=None, kv_sharded: bool = True):
     # seeds, steps, top_k, pen_row: [B] int32; temperature, top_p, presence, frequency,
-    # repetition: [B] float32; want_logprobs: [B] bool; greedy: [] bool; tables: Tables or None
+    # repetition: [B] float32; want_logprobs: [B] bool; mask: [B, ceil(V / 32)] int32;
+    # greedy: [] bool; tables: Tables or None
     logits, pool = forward_paged(w, cfg, batch, pool, max_q_len=max_q_len, impl=impl, mesh=mesh,
                                  kv_sharded=kv_sharded)  # [B, V]
     if mesh is not None:  # sampling on replicated logits: every device draws the same token
         from jax.sharding import NamedSharding, PartitionSpec
 
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, PartitionSpec()))
-    sp = (seeds, steps, temperature, top_k, top_p, pen_row, presence, frequency, repetition, want_logprobs)
+    sp = (seeds, steps, temperature, top_k, top_p, pen_row, presence, frequency, repetition, want_logprobs, mask)
     tokens, lp, tables = sample_step(logits, tables, sp, greedy)  # [B]
     return StepOut(tokens, lp, logits if return_logits else None, pool, tables)
 
@@ -215,21 +220,36 @@ def _release_jax_caches() -> None:
 _executables = Executables(env.STEP_EXECUTABLES.get())  # read once: the cache is process-wide
 
 
-def neutral_sampling(B: int) -> tuple:
+def neutral_sampling(B: int, vocab_size: int | None = None) -> tuple:
     """The per-step sampling arrays of B greedy rows that use nothing else, numpy, in the dtypes
-    the serving loop passes (`step_batch.sampling_arrays`, `precompile.dummy_batch`)."""
+    the serving loop passes (`step_batch.sampling_arrays`, `precompile.dummy_batch`): the ten [B]
+    arrays, then the all-ones token mask [B, ceil(vocab_size / 32)] when `vocab_size` is given
+    (else the step adds it: `_arguments`)."""
     z = np.zeros
-    return (z(B, np.int32), z(B, np.int32), z(B, np.float32), z(B, np.int32), np.ones(B, np.float32),
-            np.full(B, -1, np.int32), z(B, np.float32), z(B, np.float32), np.ones(B, np.float32), z(B, bool))
+    out = (z(B, np.int32), z(B, np.int32), z(B, np.float32), z(B, np.int32), np.ones(B, np.float32),
+           np.full(B, -1, np.int32), z(B, np.float32), z(B, np.float32), np.ones(B, np.float32), z(B, bool))
+    return out if vocab_size is None else (*out, token_mask.all_allowed(B, vocab_size))
+
+
+@functools.lru_cache(maxsize=32)
+def _no_mask(B: int, vocab_size: int) -> np.ndarray:
+    """The all-ones mask a step without constrained rows passes, one read-only array per shape
+    (never written, so a step may read it while the next is built)."""
+    mask = token_mask.all_allowed(B, vocab_size)
+    mask.flags.writeable = False
+    return mask
 
 
 def _arguments(w, cfg, batch, pool, tables, sampling, greedy, max_q_len, impl, return_logits, layout):
     # batch and sampling arrays are numpy (host): the compiled step's C++ dispatch transfers
     # them; `precompile` builds with numpy too, so the executable key below matches. A caller
-    # of the first five arrays only (seeds .. top_p) gets the rest neutral.
+    # of the first five arrays only (seeds .. top_p) gets the rest neutral; one of the ten [B]
+    # arrays, the shared all-ones mask.
     sampling = tuple(sampling)
-    if len(sampling) < NUM_SAMPLING:
+    if len(sampling) < NUM_SAMPLING - 1:
         sampling += neutral_sampling(len(sampling[0]))[len(sampling):]
+    if len(sampling) < NUM_SAMPLING:
+        sampling += (_no_mask(len(sampling[0]), cfg.vocab_size),)
     host = (*sampling, np.asarray(bool(greedy)))
     statics = {"cfg": cfg, "max_q_len": max_q_len, "impl": impl, "return_logits": return_logits}
     if layout is not None and layout.mesh is not None:

@@ -56,11 +56,13 @@ def build(rows, shape: tuple[int, int, int, int], page_size: int) -> tuple[Packe
     return batch, sample_rows, greedy
 
 
-def sampling_arrays(rows, B: int, pen_rows: list[int] | None = None) -> tuple:
+def sampling_arrays(rows, B: int, pen_rows: list[int] | None = None, mask: np.ndarray | None = None) -> tuple:
     """-> (seeds, steps, temperature, top_k, top_p, pen_row, presence, frequency, repetition,
-    want_logprobs), each [B] numpy (padding rows: greedy, nothing else). `pen_rows`: each row's
-    penalty table row (`PenaltyRows.prepare`; None: no row uses one); penalties are filled only
-    for rows that have one, logprobs asked for every row that wants them."""
+    want_logprobs), each [B] numpy (padding rows: greedy, nothing else), then the token mask.
+    `pen_rows`: each row's penalty table row (`PenaltyRows.prepare`; None: no row uses one);
+    penalties are filled only for rows that have one, logprobs asked for every row that wants
+    them. `mask`: int32 [B, ceil(V / 32)] (`token_masks`), or None when no row is constrained:
+    then the step passes its shared all-ones mask (`step._arguments`)."""
     R = len(rows)
     seeds, steps, topk = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
     temp, topp = np.zeros(B, np.float32), np.ones(B, np.float32)
@@ -80,4 +82,19 @@ def sampling_arrays(rows, B: int, pen_rows: list[int] | None = None) -> tuple:
             presence[on] = [params[r].presence_penalty for r in on]
             frequency[on] = [params[r].frequency_penalty for r in on]
             repetition[on] = [params[r].repetition_penalty for r in on]
-    return seeds, steps, temp, topk, topp, pen_row, presence, frequency, repetition, want
+    out = (seeds, steps, temp, topk, topp, pen_row, presence, frequency, repetition, want)
+    return out if mask is None else (*out, mask)
+
+
+def token_masks(rows, sample_rows: list[bool], B: int, words: int) -> np.ndarray | None:
+    """The step's token mask: int32 [B, words], each constrained row that samples filled by its
+    grammar's matcher (`seq.matcher`, pddjax/grammar/matcher.py), every other row all ones ->
+    None when no row is constrained. Fresh every step (the step may read it asynchronously)."""
+    pairs = [(seq.matcher, r) for r, (seq, _) in enumerate(rows) if sample_rows[r] and seq.matcher is not None]
+    if not pairs:
+        return None
+    from pddjax.grammar.matcher import fill_masks  # llguidance is loaded only once a grammar is in use
+
+    mask = np.full((B, words), -1, np.int32)  # [B, W]
+    fill_masks(pairs, mask)
+    return mask

@@ -4,8 +4,9 @@ So any engine that samples position t of a request draws the same token from the
 logits: this is what makes the RLD -> MD handoff exact. Greedy when temperature <= 0.
 
 `sample_step` is the paged step's whole sampler: penalties and logit bias (penalties.py) on
-the rows that use them, then greedy or the draw, then the logprobs of the raw logits; each
-part is skipped by `lax.cond` when no row of the batch needs it.
+the rows that use them, then the allowed-token mask of constrained rows (token_mask.py), then
+greedy or the draw, then the logprobs of the raw logits; each part is skipped by `lax.cond`
+when no row of the batch needs it (the mask: when every word is all ones, no row constrained).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pddjax.model import penalties
+from pddjax.model import penalties, token_mask
 from pddjax.model.sampling_params import MAX_TOP_LOGPROBS
 
 TOP_LOGPROBS = MAX_TOP_LOGPROBS  # alternatives a step returns per row (callers slice to top_logprobs)
@@ -91,18 +92,21 @@ def no_logprobs(B: int):
 def sample_step(logits, tables, sampling: tuple, greedy):
     """The paged step's sampler. logits: [B, V]; tables: penalties.Tables or None (no penalty
     state: a multi-host instance); sampling: (seeds, steps, temperature, top_k, top_p, pen_row,
-    presence, frequency, repetition, want_logprobs), each [B] (int32: seeds, steps, top_k,
-    pen_row (-1: none); bool: want_logprobs; float32 the rest); greedy: [] bool (every sampling
-    row greedy) -> (tokens [B] int32, `logprobs` outputs, tables with the sampled tokens counted)."""
-    seeds, steps, temperature, top_k, top_p, pen_row, presence, frequency, repetition, want = sampling
+    presence, frequency, repetition, want_logprobs, mask), each [B] (int32: seeds, steps, top_k,
+    pen_row (-1: none); bool: want_logprobs; float32 the rest) but mask, int32 [B, ceil(V / 32)]
+    (token_mask.py; all ones: unconstrained; may be left out); greedy: [] bool (every sampling row greedy) ->
+    (tokens [B] int32, `logprobs` outputs, tables with the sampled tokens counted)."""
+    seeds, steps, temperature, top_k, top_p, pen_row, presence, frequency, repetition, want, *mask = sampling
     raw = logits.astype(jnp.float32)  # [B, V]
     x = raw
     if tables is not None:
         x = jax.lax.cond(jnp.any(pen_row >= 0),
                          lambda: penalties.apply_rows(raw, tables, pen_row, presence, frequency, repetition),
                          lambda: raw)
-    # A token mask (constrained decoding) applies here: after penalties and bias, before the
-    # temperature, top-k and top-p of the draw, on greedy rows too.
+    # the token mask (constrained decoding): after penalties and bias, before the temperature,
+    # top-k and top-p of the draw, on greedy rows too
+    if mask:  # (a caller without constrained rows may leave it out)
+        x = jax.lax.cond(jnp.any(mask[0] != token_mask.ALL), token_mask.apply, lambda lg, _: lg, x, mask[0])
     sp = (seeds, steps, temperature, top_k, top_p)
     tokens = jax.lax.cond(greedy, lambda lg: sample(lg, *sp, greedy_only=True), lambda lg: sample(lg, *sp), x)
     lp = jax.lax.cond(jnp.any(want), lambda: logprobs(raw, tokens), lambda: no_logprobs(raw.shape[0]))

@@ -6,7 +6,8 @@ sampler (`sampling.py`, `penalties.py`) reads the same dataclass.
 Bounds: presence and frequency penalty in [-2, 2] (OpenAI's), repetition penalty in (0, 2]
 (1 = off; Hugging Face's rule, over prompt and output), at most 300 logit_bias entries of
 distinct token ids, each bias in [-100, 100], top_logprobs in [0, 20]. NaN and infinities are
-refused everywhere.
+refused everywhere. `grammar`: a `pddjax.grammar.spec.GrammarSpec` (constrained decoding), its
+form checked here; what llguidance refuses is refused when the engine's compiler builds it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+
+from pddjax.grammar.spec import GrammarSpec
 
 MAX_TEMPERATURE = 100.0  # far past any useful value; keeps logits / temperature finite
 MAX_TOP_K = 2**31 - 1  # the engine's top-k array is int32 (0 = off; any k >= vocab keeps every token)
@@ -46,6 +49,7 @@ class SamplingParams:
     logit_bias: tuple = ()  # ((token id, bias), ...) added to the logits; a dict is taken too
     logprobs: bool = False  # the sampled token's logprob (raw logits) on each token
     top_logprobs: int = 0  # and this many most likely alternatives (needs logprobs)
+    grammar: GrammarSpec | None = None  # constrain the output to a JSON schema, regex or Lark grammar
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", _pairs(self.logit_bias))
@@ -82,6 +86,10 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
         if n and not self.logprobs:
             raise ValueError(f"top_logprobs {n} needs logprobs on")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, GrammarSpec):
+                raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
+            self.grammar.validate()
 
 
 def _real(x) -> bool:

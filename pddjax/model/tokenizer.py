@@ -70,18 +70,21 @@ class TextTokenizer:
         text = lambda i: self.token_text(i) if i is not None else ""  # noqa: E731
         return {"bos_token": text(self.bos_id), "eos_token": text(self.eos_id)}
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role", "content"}]) with the chat template, in jinja2's sandbox."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: list[dict] | None = None) -> str:
+        """Render `messages` ([{"role", "content"}, + tool_calls / role "tool"]) and `tools` with the chat
+        template, in jinja2's sandbox (tools a template does not read: `chat_template.with_tools`)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
-        return chat_template.render(self.chat_template, messages, add_generation_prompt, self.template_vars())
+        return chat_template.render(self.chat_template, messages, add_generation_prompt, self.template_vars(), tools)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat; special-token text inside the messages stays plain text."""
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Token ids of the rendered chat; special-token text inside the messages and tools stays plain text."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         ids = chat_template.encode_chat(self.chat_template, messages, add_generation_prompt, self.template_vars(),
-                                        self.special_ids, self._encode_plain)
+                                        self.special_ids, self._encode_plain, tools)
         if self.add_bos and self.bos_id is not None and not self.post_process and ids[:1] != [self.bos_id]:
             ids = [self.bos_id] + ids
         return ids

@@ -134,10 +134,16 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         """Engine thread: a step's tokens to their streams; HandoffTokens waiting for MD to catch up wake."""
         for ev in events:
             slot = self.slots.get(ev.seq_id)
-            if slot is None or slot.closed or slot.emit_from is None or ev.position < slot.emit_from:
+            if slot is None or slot.closed:
+                continue
+            if slot.emit_from is None or ev.position < slot.emit_from:
+                if slot.logprobs is not None and ev.logprobs is not None:  # held: emitted with the rest later
+                    slot.logprobs[ev.position] = rpc.logprob_to_pb(ev.logprobs)
                 continue
             batch = cluster_pb2.TokenBatch(start_position=ev.position, token_ids=[ev.token],
                                            finish_reason=rpc.FINISH[ev.finish_reason])
+            if slot.logprobs is not None and ev.logprobs is not None:
+                batch.logprobs.append(rpc.logprob_to_pb(ev.logprobs))
             if ev.finish_reason:
                 self.slots.close(slot, batch)
             else:
@@ -174,7 +180,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already reserved here")
         if self.slots.was_cancelled(rid):
             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled on {self.role}")
-        slot = Slot(rid, asyncio.Queue())
+        slot = Slot(rid, asyncio.Queue(), logprobs={} if params.logprobs else None)
 
         def reserve(e):
             if self.slots.was_cancelled(rid):  # a cancel overtook this Reserve: never leave an orphan slot
@@ -287,6 +293,7 @@ def _merge_ready(item, out: asyncio.Queue):
                 or nxt.start_position != item.start_position + len(item.token_ids)):
             return item, nxt
         item.token_ids.extend(nxt.token_ids)
+        item.logprobs.extend(nxt.logprobs)
         if nxt.finish_reason:
             item.finish_reason = nxt.finish_reason
             break

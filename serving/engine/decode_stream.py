@@ -83,6 +83,7 @@ class Sink:
             last = self._open.get(rid)
             if last is not None and _continues(last.batch, item):
                 last.batch.token_ids.extend(item.token_ids)
+                last.batch.logprobs.extend(item.logprobs)
                 last.batch.finish_reason = item.finish_reason
             else:
                 entry = cluster_pb2.RequestTokens(request_id=rid, batch=item)

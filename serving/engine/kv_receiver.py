@@ -22,11 +22,13 @@ before its last chunk) leaves it for a replacement P, or PDDJAX_KV_WAIT_SECONDS.
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import TYPE_CHECKING
 
 import grpc
 
 from pddjax.kv.canonical import KVImportError, degree, head_ranges, span
+from pddjax.model.sampling_params import MAX_TOP_LOGPROBS
 from serving.engine.slot import WAITING
 from serving.kvwire import ACCEPTED, Assembler, WireError
 from serving.pb import cluster_pb2
@@ -91,9 +93,13 @@ class KVReceiver:
                     if bad:
                         raise WireError("INVALID_ARGUMENT", f"known token {bad[0]} of {rid} is outside the "
                                                             f"vocabulary [0, {self.vocab_size})")
+                    problem = logprobs_problem(chunk, self.vocab_size)
+                    if problem:
+                        raise WireError("INVALID_ARGUMENT", f"{problem} (request {rid})")
                     while pending is not None or batch:  # the import in flight, then the runs queued behind it
                         await settle(wait=True)
-                    if not await self.worker.call(self._kv_complete, rid, list(chunk.known_tokens)):
+                    if not await self.worker.call(self._kv_complete, rid, list(chunk.known_tokens),
+                                                  list(chunk.known_logprobs)):
                         raise self._gone(rid)
                     return cluster_pb2.PushKVResponse(tokens_imported=imported, bytes_received=asm.bytes,
                                                       chunks=asm.next_seq)
@@ -154,18 +160,39 @@ class KVReceiver:
             e.import_kv(rid, run)
         return True
 
-    def _kv_complete(self, e, rid, known) -> bool:
-        """Engine thread: the last chunk landed. False if the request is no longer open here."""
+    def _kv_complete(self, e, rid, known, known_logprobs) -> bool:
+        """Engine thread: the last chunk landed (the known tokens' logprobs are kept for the stream
+        when the request asked for them). False if the request is no longer open here."""
         slot, seq = self.slots.get(rid), e.seqs.get(rid)
         if slot is None or seq is None or slot.closed:
             return False
         if slot.state not in WAITING:
             return True  # a second push, from a P that replaced a failed one, changes nothing
         if known:
+            if slot.logprobs is not None:
+                slot.logprobs.update(enumerate(known_logprobs))
             seq.append_known(0, known)
             seq.paused = False
             self.slots.decode(slot, 0)
         return True
+
+
+def logprobs_problem(chunk, vocab_size: int) -> str | None:
+    """One sentence on what is wrong with a last chunk's known_logprobs, or None: none, or one
+    per known token, each a finite logprob <= 0 with at most 20 alternatives in the vocabulary."""
+    lps = chunk.known_logprobs
+    if not lps:
+        return None
+    if len(lps) != len(chunk.known_tokens):
+        return f"{len(lps)} known logprobs for {len(chunk.known_tokens)} known tokens"
+    for lp in lps:
+        if not (math.isfinite(lp.logprob) and lp.logprob <= 0):
+            return f"known logprob {lp.logprob} is not a finite number <= 0"
+        if len(lp.top_ids) != len(lp.top_logprobs) or len(lp.top_ids) > MAX_TOP_LOGPROBS:
+            return f"known logprob has {len(lp.top_ids)} alternative ids and {len(lp.top_logprobs)} logprobs"
+        if any(t >= vocab_size for t in lp.top_ids):
+            return f"known logprob names a token outside the vocabulary [0, {vocab_size})"
+    return None
 
 
 def _ranges(ranges) -> str:

@@ -89,7 +89,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
 
         def admit(e):
             seq = e.add(rid, prompt, params, 1, stop_ids, hold_on_finish=True)
-            self._export(e, rid, st, None)  # the part P's prefix cache already holds goes out at once
+            self._export(e, rid, st, None, None)  # the part P's prefix cache already holds goes out at once
             return seq.pages.num_cached
 
         chunk_bytes = request.chunk_bytes or rpc.DEFAULT_CHUNK_BYTES
@@ -105,14 +105,14 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
                      for t, q in zip(targets, st.queues)]
             self.pushes[rid] = tasks
             try:
-                first = await st.first
+                first, first_lp = await st.first
             except _Released as e:
                 await context.abort(grpc.StatusCode.ABORTED, str(e))
             except _StepFailed as e:
                 await context.abort(grpc.StatusCode.INTERNAL, str(e))
             yield cluster_pb2.PrefillEvent(prefilled=cluster_pb2.Prefilled(
                 first_token=first, num_cached=cached, prefill_ms=1e3 * (time.perf_counter() - t0),
-                queued_ms=1e3 * queued))
+                queued_ms=1e3 * queued, first_logprob=first_lp))
             # P's KV lease: the pages stay held until every target acknowledged its import (its
             # PushKV answered), failed, or PDDJAX_KV_LEASE_SECONDS passed since the prefill finished
             loop = asyncio.get_running_loop()
@@ -152,26 +152,29 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
             e.release(rid, cache=False)
             self.pages.on_engine(e)  # pages freed: the first prompt waiting for pages tries
 
-    def _export(self, e, rid, st, first) -> None:
-        """Engine thread: send the prompt tokens computed since the last export to every target."""
+    def _export(self, e, rid, st, first, first_lp) -> None:
+        """Engine thread: send the prompt tokens computed since the last export to every target
+        (with P's first token and its logprob, a TokenLogprob or None, once sampled)."""
         seq = e.seqs[rid]
         upto = min(seq.pages.num_tokens, st.n)
         if upto > st.sent and st.queues:
             run = e.export_kv_shards(rid, st.sent, upto)  # each KV head range from its own device
             for q in st.queues:
-                self.worker.post(q.put_nowait, (run, first))
+                self.worker.post(q.put_nowait, (run, first, first_lp))
             st.sent = upto
 
     def _on_step(self, events) -> None:
         self.pages.on_engine(self.engine)
-        firsts = {ev.seq_id: ev.token for ev in events if ev.position == 0}
+        firsts = {ev.seq_id: ev for ev in events if ev.position == 0}
         for rid, st in list(self.progress.items()):
             if rid not in self.engine.seqs:
                 continue
-            first = firsts.get(rid)
-            self._export(self.engine, rid, st, first)  # KV streams out while prefill continues
+            ev = firsts.get(rid)
+            first = None if ev is None else ev.token
+            first_lp = None if ev is None or ev.logprobs is None else rpc.logprob_to_pb(ev.logprobs)
+            self._export(self.engine, rid, st, first, first_lp)  # KV streams out while prefill continues
             if first is not None:
-                self.worker.post(resolve, st.first, first)
+                self.worker.post(resolve, st.first, (first, first_lp))
                 if st.queues:  # held for the targets until they acknowledge (Prefill's KV lease)
                     self.engine.cache_prefix(rid)  # P's cache serves this prompt at once meanwhile
                 else:
@@ -194,11 +197,13 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
             while chunker.next_pos < end:
                 clock.waiting = True  # on this P's own prefill: not a stall of the link
                 w0 = time.perf_counter()
-                run, first = await q.get()
+                run, first, first_lp = await q.get()
                 waited[0] += time.perf_counter() - w0
                 clock.touch()
                 known = [first] if first is not None and target.include_first_token else []
-                for c in chunker.feed(run, known) if native else await asyncio.to_thread(chunker.feed, run, known):
+                known_lp = [first_lp] if known and first_lp is not None else []
+                feed = (run, known, known_lp)
+                for c in chunker.feed(*feed) if native else await asyncio.to_thread(chunker.feed, *feed):
                     yield c
                     clock.touch()  # the transport took the chunk
 
@@ -291,7 +296,7 @@ class _PushClock:
 class _Progress:
     n: int  # prompt tokens
     sent: int  # prompt KV exported up to here
-    queues: list  # one asyncio.Queue of (KVRun head pieces, first token or None) per target
+    queues: list  # one asyncio.Queue of (KVRun head pieces, first token or None, its TokenLogprob or None) per target
     first: asyncio.Future
 
 

@@ -77,6 +77,9 @@ class Slot:
     born: float = dataclasses.field(default_factory=time.monotonic)
     reported: bool = False  # logged once when it outlives LINGER_LEASES leases (diagnostics)
     sink: object = None  # a DecodeStream subscribed to it (decode_stream.Sink): its items go there, not to `out`
+    # the request asked for logprobs: output position -> common_pb2.TokenLogprob, for the positions
+    # not emitted yet (P's first token from the KV push; MD's tokens decoded while HELD)
+    logprobs: dict | None = None
 
     @property
     def closed(self) -> bool:
@@ -109,6 +112,10 @@ class Slot:
             assert seq.paused, f"slot {rid} is {name} but its sequence is not paused"
         if self.state is SlotState.RESERVED:
             assert not self.waiters, f"slot {rid} is RESERVED with HandoffTokens waiting (no chunk applied yet)"
+        if self.logprobs:
+            n = len(seq.generated)
+            bad = [p for p in self.logprobs if not 0 <= p < n]
+            assert not bad, f"slot {rid} holds logprobs of output positions {bad[:3]} past its {n} tokens"
 
 
 @dataclasses.dataclass
@@ -212,6 +219,18 @@ class SlotTable:
         if toks or finish:
             batch = cluster_pb2.TokenBatch(start_position=slot.emit_from, token_ids=toks,
                                            finish_reason=rpc.FINISH[finish])
+            if slot.logprobs is not None:
+                for p in [p for p in slot.logprobs if p < slot.emit_from]:  # decoded ahead, sent by RLD instead
+                    del slot.logprobs[p]
+            if slot.logprobs is not None and toks:
+                held = [slot.logprobs.pop(p, None) for p in range(slot.emit_from, slot.emit_from + len(toks))]
+                if any(lp is None for lp in held):  # a token this service did not sample nor receive one for
+                    missing = slot.emit_from + held.index(None)
+                    self.close(slot, RpcFailure(grpc.StatusCode.INTERNAL, f"request {slot.request_id}: no logprob "
+                                                                          f"for output position {missing}"),
+                               cache=False)
+                    return
+                batch.logprobs.extend(held)
             if finish:
                 self.close(slot, batch)
             else:

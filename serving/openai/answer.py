@@ -50,8 +50,12 @@ class Served:
 
 
 class Answer:
-    def __init__(self, chat: bool, rid: str, served: Served, return_ids: bool, cache_hits: bool = False):
+    def __init__(self, chat: bool, rid: str, served: Served, return_ids: bool, cache_hits: bool = False,
+                 logprobs: bool = False):
         self.chat, self.rid, self.served, self.return_ids = chat, rid, served, return_ids
+        self.logprobs = logprobs  # the request asked: every choice and token chunk carries them
+        self.lps: list = []  # common_pb2.TokenLogprob per token (the router's, with token texts)
+        self.lp_offset = 0  # a completion's text_offset of the next token
         self.cache_hits = cache_hits  # tell the caches' hits (module docstring)
         self.created = int(time.time())
         self.pipeline, self.explain, self.prompt_ids = "", "", []
@@ -70,6 +74,7 @@ class Answer:
             self.pipeline, self.explain, self.prompt_ids = PIPELINES[msg.pipeline], msg.explain, list(
                 msg.prompt_token_ids)
         self.token_ids += msg.token_ids
+        self.lps += msg.logprobs
         for src in msg.sources:
             if src == common_pb2.ROLE_RELAY:
                 self.relay_tokens += 1
@@ -111,6 +116,25 @@ class Answer:
             head["prompt_token_ids"] = self.prompt_ids
         return head
 
+    def _logprobs(self, lps) -> s.ChatLogprobs | s.CompletionLogprobs | None:
+        """OpenAI's logprobs of these tokens (None unless the request asked): chat's `content`
+        list (token, logprob, its UTF-8 bytes, the alternatives), a completion's parallel lists
+        (tokens, token_logprobs, top_logprobs as {token: logprob}, text_offset)."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return s.ChatLogprobs(content=[s.TokenLogprob(
+                token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
+                top_logprobs=[s.TopLogprob(token=t, logprob=v, bytes=list(t.encode()))
+                              for t, v in zip(lp.top_tokens, lp.top_logprobs)]) for lp in lps])
+        offsets = []
+        for lp in lps:
+            offsets.append(self.lp_offset)
+            self.lp_offset += len(lp.token)
+        return s.CompletionLogprobs(tokens=[lp.token for lp in lps], token_logprobs=[lp.logprob for lp in lps],
+                                    top_logprobs=[dict(zip(lp.top_tokens, lp.top_logprobs)) for lp in lps],
+                                    text_offset=offsets)
+
     def _ids(self, ids) -> dict:
         return {"token_ids": list(ids)} if self.return_ids else {}
 
@@ -119,18 +143,21 @@ class Answer:
         common = dict(**self._head(), usage=self.usage(), pddjax=self.extension())
         if self.chat:
             choice = s.ChatChoice(index=0, message=s.AssistantMessage(role="assistant", content=self.text),
-                                  finish_reason=self.finish, logprobs=None, **self._ids(self.token_ids))
+                                  finish_reason=self.finish, logprobs=self._logprobs(self.lps),
+                                  **self._ids(self.token_ids))
             return s.ChatCompletion(object="chat.completion", choices=[choice], **common)
-        choice = s.CompletionChoice(index=0, text=self.text, finish_reason=self.finish, logprobs=None,
-                                    **self._ids(self.token_ids))
+        choice = s.CompletionChoice(index=0, text=self.text, finish_reason=self.finish,
+                                    logprobs=self._logprobs(self.lps), **self._ids(self.token_ids))
         return s.Completion(object="text_completion", choices=[choice], **common)
 
     # ---- stream chunks -------------------------------------------------------------------
     def chunk(self, text: str | None, ids=(), finish: str | None = None, role: bool = False,
-              usage_null: bool = False, source: int = 0) -> s.ChatCompletionChunk | s.Completion:
+              usage_null: bool = False, source: int = 0, lps=None) -> s.ChatCompletionChunk | s.Completion:
         """One chunk: `text` (chat: the delta's content; None: no content key), the ids it
-        carries, `finish` on the last; `role` on a chat's first; `usage_null` when the client
-        asked for usage (every chunk but the last then says usage: null)."""
+        carries (and `lps`, their TokenLogprobs, when the request asked), `finish` on the last;
+        `role` on a chat's first; `usage_null` when the client asked for usage (every chunk but
+        the last then says usage: null)."""
+        logprobs = self._logprobs(lps) if lps is not None else None
         extra: dict = {"usage": None} if usage_null else {}
         if finish is not None:
             extra["pddjax"] = self.extension()
@@ -141,10 +168,10 @@ class Answer:
         if self.chat:
             delta = s.Delta(role="assistant", content=text or "") if role else (
                 s.Delta(content=text) if text is not None else s.Delta())
-            choice = s.ChatChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=None,
+            choice = s.ChatChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=logprobs,
                                        **(self._ids(ids) if not role else {}))
             return s.ChatCompletionChunk(object="chat.completion.chunk", choices=[choice], **head, **extra)
-        choice = s.CompletionChoice(index=0, text=text or "", finish_reason=finish, logprobs=None,
+        choice = s.CompletionChoice(index=0, text=text or "", finish_reason=finish, logprobs=logprobs,
                                     **(self._ids(ids) if not role else {}))
         return s.Completion(object="text_completion", choices=[choice], **head, **extra)
 

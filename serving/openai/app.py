@@ -164,7 +164,7 @@ class Gateway:
                                        f"{self.served.name!r})", "invalid_request_error", "model", "model_not_found")
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             req = translate.generate_request(body, rid, request.headers.get("x-session-id"), self.default_max_tokens)
-            answer = Answer(chat, rid, self.served, body.return_token_ids, self.cache_hits)
+            answer = Answer(chat, rid, self.served, body.return_token_ids, self.cache_hits, req.sampling.logprobs)
             call = self.upstream.generate(req, request.headers.get("authorization"), self.deadline(body))
             messages = aiter(call)
             try:
@@ -223,7 +223,11 @@ class Gateway:
                     if answer.gateway_ttft_ms is None:
                         answer.gateway_ttft_ms = round(1e3 * (time.perf_counter() - t0), 2)
                     src = msg.sources[0] if msg.sources else 0
-                    yield _event(answer.token_chunk_json(msg.text, msg.token_ids, include_usage, src))
+                    if answer.logprobs:  # each chunk its tokens' logprobs: built whole
+                        yield _event(answer.chunk(msg.text, msg.token_ids, usage_null=include_usage, source=src,
+                                                  lps=msg.logprobs).model_dump_json(**dump))
+                    else:
+                        yield _event(answer.token_chunk_json(msg.text, msg.token_ids, include_usage, src))
         except grpc.aio.AioRpcError as e:
             err = from_rpc(e)
             outcome["code"] = err.status

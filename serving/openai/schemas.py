@@ -3,7 +3,7 @@
 Requests: `ChatCompletionRequest` (POST /v1/chat/completions) and `CompletionRequest` (POST
 /v1/completions), the OpenAI fields plus pddjax's extensions (`top_k`, `pipeline`, `handoff`,
 `session_id`, `ignore_eos`, `stop_token_ids`, `return_token_ids`, `request_timeout`). Fields
-the OpenAI API has and pddjax does not serve (tools, logprobs, penalties, n > 1 ...) are
+the OpenAI API has and pddjax does not serve (tools, n > 1, echo ...) are
 declared so `translate` can refuse them by name; other unknown fields are ignored. Sizes a
 caller controls are bounded before any per-item work (a list's length is checked before its
 items are): at most MAX_MESSAGES messages (and text parts per message), MAX_PROMPT_IDS prompt
@@ -71,11 +71,11 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # OpenAI fields refused unless at their neutral value (translate.refuse_unsupported)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None  # [-2, 2]
+    frequency_penalty: float | None = None  # [-2, 2]
+    logit_bias: dict[str, float] | None = Field(None, max_length=300)  # token id (a string) -> [-100, 100]
     # pddjax extensions
+    repetition_penalty: float | None = None  # (0, 2], Hugging Face's; 1: off
     top_k: int | None = Field(None, ge=0, le=UINT32)
     pipeline: Literal["auto", "pdd", "pd-cross", "pd-local"] | None = None
     handoff: Literal["one-shot", "chunked"] | None = None
@@ -139,11 +139,35 @@ class Delta(BaseModel):
     content: str | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -151,7 +175,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -159,7 +183,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
 
 

@@ -8,9 +8,16 @@
   OpenAI samples anew);
 - length: `max_completion_tokens` or `max_tokens`, else the gateway's default;
 - stops: `stop` (a string or a list) as stop strings, `stop_token_ids`; `ignore_eos`;
+- penalties: `presence_penalty`, `frequency_penalty` (OpenAI's, over generated tokens, in
+  [-2, 2]), the `repetition_penalty` extension (Hugging Face's, over prompt and output, in
+  (0, 2]), `logit_bias` (at most 300 token ids, given as strings, each bias in [-100, 100]);
+- logprobs: chat's `logprobs` + `top_logprobs` (0..20), a completion's `logprobs` (0..5: the
+  sampled token's and that many alternatives); each is the log-softmax of the model's raw
+  logits, before penalties, bias and temperature (as vLLM reports them by default);
 - placement: `pipeline`, `handoff`, `session_id` (else the `x-session-id` header);
-- n other than 1, tools, logprobs, echo, suffix, best_of, penalties and logit_bias are refused
-  by name (400): pddjax does not serve them, and silently ignoring them would mislead.
+- n other than 1, tools, echo, suffix and best_of are refused by name (400): pddjax does not
+  serve them, and silently ignoring them would mislead. A value out of range is a 400 naming
+  its field, before anything is sent to the router.
 The response id (`chatcmpl-...` / `cmpl-...`) is the router's request_id label, so both logs
 name the request alike.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import secrets
 
+from pddjax.model.sampling_params import SamplingParams
 from serving.client import HANDOFFS, PIPELINES
 from serving.openai.errors import invalid
 from serving.openai.schemas import UINT32, ChatCompletionRequest, CompletionRequest
@@ -31,21 +39,12 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     if body.n not in (None, 1):
         raise invalid(f"n must be 1 (pddjax returns one choice per request), got {body.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise invalid(f"{name} is not supported (send 0 or leave it out)", name)
-    if body.logit_bias:
-        raise invalid("logit_bias is not supported", "logit_bias")
     if isinstance(body, ChatCompletionRequest):
         if body.tools or body.tool_choice not in (None, "none", "auto"):  # "auto" with no tools: no tool calls
             raise invalid("tools and tool_choice are not supported", "tools")
-        if body.logprobs or body.top_logprobs:
-            raise invalid("logprobs are not supported", "logprobs")
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise invalid("response_format other than text is not supported", "response_format")
     else:
-        if body.logprobs:
-            raise invalid("logprobs are not supported", "logprobs")
         if body.echo:
             raise invalid("echo is not supported", "echo")
         if body.suffix:
@@ -93,6 +92,55 @@ def _prompt(body: CompletionRequest, req: router_pb2.GenerateRequest) -> None:
     req.token_ids.ids.extend(p)
 
 
+MAX_COMPLETION_LOGPROBS = 5  # a completion's `logprobs` (OpenAI's bound)
+SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "top_logprobs",
+                   "logprobs", "temperature", "top_k", "top_p", "seed")
+
+
+def _logprobs(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, int]:
+    """(logprobs on, alternatives per token) as the endpoint spells them."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        return bool(body.logprobs), body.top_logprobs or 0
+    n = body.logprobs
+    if n is None:
+        return False, 0
+    if not 0 <= n <= MAX_COMPLETION_LOGPROBS:
+        raise invalid(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}], got {n}", "logprobs")
+    return True, n
+
+
+def _bias(body) -> dict[int, float]:
+    out = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise invalid(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+    return out
+
+
+def sampling(body: ChatCompletionRequest | CompletionRequest, temperature: float, seed: int) -> common_pb2.Sampling:
+    """The request's sampling, checked with the engines' own bounds (400 naming the field)."""
+    logprobs, top = _logprobs(body)
+    params = SamplingParams(temperature, body.top_k or 0, 1.0 if body.top_p is None else body.top_p, seed,
+                            presence_penalty=body.presence_penalty or 0.0,
+                            frequency_penalty=body.frequency_penalty or 0.0,
+                            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                            logit_bias=_bias(body), logprobs=logprobs, top_logprobs=top)
+    try:
+        params.validate()
+    except ValueError as e:
+        field = next((f for f in SAMPLING_FIELDS if str(e).startswith(f)), None)
+        raise invalid(str(e), field) from None
+    return common_pb2.Sampling(temperature=temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
+                               presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                               repetition_penalty=params.repetition_penalty,
+                               logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
+                               logprobs=logprobs, top_logprobs=top)
+
+
 def generate_request(body: ChatCompletionRequest | CompletionRequest, request_id: str, session_header: str | None,
                      default_max_tokens: int) -> router_pb2.GenerateRequest:
     refuse_unsupported(body)
@@ -108,8 +156,7 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest, request_id
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     req = router_pb2.GenerateRequest(
         request_id=request_id, session_id=body.session_id or session_header or "",
-        sampling=common_pb2.Sampling(temperature=temperature, top_k=body.top_k or 0,
-                                     top_p=1.0 if body.top_p is None else body.top_p, seed=seed),
+        sampling=sampling(body, temperature, seed),
         max_tokens=max_tokens or default_max_tokens, stop_strings=[s for s in stops if s],
         stop_token_ids=body.stop_token_ids or [], pipeline=PIPELINES[body.pipeline or "auto"],
         handoff=HANDOFFS[body.handoff], ignore_eos=body.ignore_eos)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from serving.pb import common_pb2 as pddjax_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pddjax/v1/cluster.proto\x12\tpddjax.v1\x1a\x16pddjax/v1/common.proto\"\r\n\x0bInfoRequest\"\xd6\x02\n\x0bServiceInfo\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.pddjax.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x11\n\tnum_pages\x18\x06 \x01(\r\x12\x14\n\x0cprefix_cache\x18\x07 \x01(\x08\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x10\n\x08platform\x18\x0b \x01(\t\x12\x11\n\tattention\x18\x0c \x01(\t\x12\x14\n\x0cpages_active\x18\r \x01(\r\x12\x10\n\x08requests\x18\x0e \x01(\r\x12\x17\n\x0fintegrity_error\x18\x0f \x01(\t\x12\x17\n\x0fkv_wire_formats\x18\x10 \x03(\t\"\x85\x01\n\x0cSequenceSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\r\x12%\n\x08sampling\x18\x03 \x01(\x0b\x32\x13.pddjax.v1.Sampling\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"<\n\x12MatchPrefixRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x13\n\x0bpage_hashes\x18\x02 \x03(\x04\"W\n\x13MatchPrefixResponse\x12\x15\n\rmatched_pages\x18\x01 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\"b\n\x0eReserveRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.pddjax.v1.SequenceSpec\x12\x11\n\tuse_cache\x18\x02 \x01(\x08\x12\x16\n\x0ewait_for_pages\x18\x03 \x01(\x08\";\n\x0fReserveResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\x12\x11\n\tqueued_ms\x18\x02 \x01(\x02\"w\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.pddjax.v1.Role\x12\x1b\n\x13include_first_token\x18\x04 \x01(\x08\x12\x0f\n\x07kv_wire\x18\x05 \x01(\t\"r\n\x0ePrefillRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.pddjax.v1.SequenceSpec\x12$\n\x07targets\x18\x02 \x03(\x0b\x32\x13.pddjax.v1.KVTarget\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"[\n\tPrefilled\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nnum_cached\x18\x02 \x01(\r\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x11\n\tqueued_ms\x18\x04 \x01(\x01\"\xac\x01\n\x0cTransferDone\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.pddjax.v1.Role\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\r\x12\n\n\x02ms\x18\x05 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0f\n\x07wire_ms\x18\x08 \x01(\x01\x12\x14\n\x0cnative_bytes\x18\t \x01(\x04\"t\n\x0cPrefillEvent\x12)\n\tprefilled\x18\x01 \x01(\x0b\x32\x14.pddjax.v1.PrefilledH\x00\x12\x30\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x17.pddjax.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\xe0\x01\n\x08KVHeader\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05start\x18\x06 \x01(\r\x12\x0b\n\x03\x65nd\x18\x07 \x01(\r\x12\x0f\n\x07kv_wire\x18\t \x01(\t\x12\x13\n\x0bpage_tokens\x18\n \x01(\r\x12\x17\n\x0ftensor_parallel\x18\x0b \x01(\r\x12\x13\n\x0bhead_bounds\x18\x0c \x03(\rJ\x04\x08\x08\x10\t\"\xf1\x01\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12#\n\x06header\x18\x03 \x01(\x0b\x32\x13.pddjax.v1.KVHeader\x12\r\n\x05start\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\t\n\x01k\x18\x06 \x01(\x0c\x12\t\n\x01v\x18\x07 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\x12\x0c\n\x04last\x18\t \x01(\x08\x12\x14\n\x0cknown_tokens\x18\n \x03(\r\x12\x0e\n\x06scales\x18\x0b \x01(\x0c\x12\x12\n\nhead_start\x18\x0c \x01(\r\x12\x10\n\x08head_end\x18\r \x01(\r\"Q\n\x0ePushKVResponse\x12\x17\n\x0ftokens_imported\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\"#\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x92\x01\n\nTokenBatch\x12\x16\n\x0estart_position\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.pddjax.v1.FinishReason\x12\x12\n\nhanded_off\x18\x04 \x01(\x08\x12\x15\n\rhanded_off_at\x18\x05 \x01(\r\"=\n\x13\x44\x65\x63odeStreamRequest\x12\x11\n\tsubscribe\x18\x01 \x03(\t\x12\x13\n\x0bunsubscribe\x18\x02 \x03(\t\"f\n\rRequestTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x15.pddjax.v1.TokenBatch\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"?\n\x14\x44\x65\x63odeStreamResponse\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.pddjax.v1.RequestTokens\"s\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cmain_address\x18\x02 \x01(\t\x12$\n\x04mode\x18\x03 \x01(\x0e\x32\x16.pddjax.v1.HandoffMode\x12\x11\n\tthreshold\x18\x04 \x01(\r\"\\\n\x0fHandoffResponse\x12\x12\n\nhanded_off\x18\x01 \x01(\x08\x12\x15\n\rhanded_off_at\x18\x02 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"w\n\x14HandoffTokensRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x11\n\tchunk_seq\x18\x05 \x01(\r\"S\n\x15HandoffTokensResponse\x12\x14\n\x0c\x63\x61ught_up_to\x18\x01 \x01(\r\x12\x11\n\temit_from\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"C\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63\x61\x63he\x18\x02 \x01(\x08\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x01(\x08\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x1f\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\'\n\rProbeResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x32\x92\x02\n\x07Prefill\x12\x36\n\x04Info\x12\x16.pddjax.v1.InfoRequest\x1a\x16.pddjax.v1.ServiceInfo\x12?\n\x07Prefill\x12\x19.pddjax.v1.PrefillRequest\x1a\x17.pddjax.v1.PrefillEvent0\x01\x12L\n\x0bMatchPrefix\x12\x1d.pddjax.v1.MatchPrefixRequest\x1a\x1e.pddjax.v1.MatchPrefixResponse\x12@\n\x07Release\x12\x19.pddjax.v1.ReleaseRequest\x1a\x1a.pddjax.v1.ReleaseResponse2\xb1\x05\n\x06\x44\x65\x63ode\x12\x36\n\x04Info\x12\x16.pddjax.v1.InfoRequest\x1a\x16.pddjax.v1.ServiceInfo\x12L\n\x0bMatchPrefix\x12\x1d.pddjax.v1.MatchPrefixRequest\x1a\x1e.pddjax.v1.MatchPrefixResponse\x12@\n\x07Reserve\x12\x19.pddjax.v1.ReserveRequest\x1a\x1a.pddjax.v1.ReserveResponse\x12\x39\n\x06PushKV\x12\x12.pddjax.v1.KVChunk\x1a\x19.pddjax.v1.PushKVResponse(\x01\x12;\n\x06\x44\x65\x63ode\x12\x18.pddjax.v1.DecodeRequest\x1a\x15.pddjax.v1.TokenBatch0\x01\x12@\n\x07Handoff\x12\x19.pddjax.v1.HandoffRequest\x1a\x1a.pddjax.v1.HandoffResponse\x12R\n\rHandoffTokens\x12\x1f.pddjax.v1.HandoffTokensRequest\x1a .pddjax.v1.HandoffTokensResponse\x12@\n\x07Release\x12\x19.pddjax.v1.ReleaseRequest\x1a\x1a.pddjax.v1.ReleaseResponse\x12:\n\x05Probe\x12\x17.pddjax.v1.ProbeRequest\x1a\x18.pddjax.v1.ProbeResponse\x12S\n\x0c\x44\x65\x63odeStream\x12\x1e.pddjax.v1.DecodeStreamRequest\x1a\x1f.pddjax.v1.DecodeStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pddjax/v1/cluster.proto\x12\tpddjax.v1\x1a\x16pddjax/v1/common.proto\"\r\n\x0bInfoRequest\"\xd6\x02\n\x0bServiceInfo\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.pddjax.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x11\n\tnum_pages\x18\x06 \x01(\r\x12\x14\n\x0cprefix_cache\x18\x07 \x01(\x08\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x10\n\x08platform\x18\x0b \x01(\t\x12\x11\n\tattention\x18\x0c \x01(\t\x12\x14\n\x0cpages_active\x18\r \x01(\r\x12\x10\n\x08requests\x18\x0e \x01(\r\x12\x17\n\x0fintegrity_error\x18\x0f \x01(\t\x12\x17\n\x0fkv_wire_formats\x18\x10 \x03(\t\"\x85\x01\n\x0cSequenceSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\r\x12%\n\x08sampling\x18\x03 \x01(\x0b\x32\x13.pddjax.v1.Sampling\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"<\n\x12MatchPrefixRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x13\n\x0bpage_hashes\x18\x02 \x03(\x04\"W\n\x13MatchPrefixResponse\x12\x15\n\rmatched_pages\x18\x01 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\"b\n\x0eReserveRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.pddjax.v1.SequenceSpec\x12\x11\n\tuse_cache\x18\x02 \x01(\x08\x12\x16\n\x0ewait_for_pages\x18\x03 \x01(\x08\";\n\x0fReserveResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\x12\x11\n\tqueued_ms\x18\x02 \x01(\x02\"w\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.pddjax.v1.Role\x12\x1b\n\x13include_first_token\x18\x04 \x01(\x08\x12\x0f\n\x07kv_wire\x18\x05 \x01(\t\"r\n\x0ePrefillRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.pddjax.v1.SequenceSpec\x12$\n\x07targets\x18\x02 \x03(\x0b\x32\x13.pddjax.v1.KVTarget\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"\x8b\x01\n\tPrefilled\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nnum_cached\x18\x02 \x01(\r\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x11\n\tqueued_ms\x18\x04 \x01(\x01\x12.\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x17.pddjax.v1.TokenLogprob\"\xac\x01\n\x0cTransferDone\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.pddjax.v1.Role\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\r\x12\n\n\x02ms\x18\x05 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0f\n\x07wire_ms\x18\x08 \x01(\x01\x12\x14\n\x0cnative_bytes\x18\t \x01(\x04\"t\n\x0cPrefillEvent\x12)\n\tprefilled\x18\x01 \x01(\x0b\x32\x14.pddjax.v1.PrefilledH\x00\x12\x30\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x17.pddjax.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\xe0\x01\n\x08KVHeader\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05start\x18\x06 \x01(\r\x12\x0b\n\x03\x65nd\x18\x07 \x01(\r\x12\x0f\n\x07kv_wire\x18\t \x01(\t\x12\x13\n\x0bpage_tokens\x18\n \x01(\r\x12\x17\n\x0ftensor_parallel\x18\x0b \x01(\r\x12\x13\n\x0bhead_bounds\x18\x0c \x03(\rJ\x04\x08\x08\x10\t\"\xa2\x02\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12#\n\x06header\x18\x03 \x01(\x0b\x32\x13.pddjax.v1.KVHeader\x12\r\n\x05start\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\t\n\x01k\x18\x06 \x01(\x0c\x12\t\n\x01v\x18\x07 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\x12\x0c\n\x04last\x18\t \x01(\x08\x12\x14\n\x0cknown_tokens\x18\n \x03(\r\x12\x0e\n\x06scales\x18\x0b \x01(\x0c\x12\x12\n\nhead_start\x18\x0c \x01(\r\x12\x10\n\x08head_end\x18\r \x01(\r\x12/\n\x0eknown_logprobs\x18\x0e \x03(\x0b\x32\x17.pddjax.v1.TokenLogprob\"Q\n\x0ePushKVResponse\x12\x17\n\x0ftokens_imported\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\"#\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xbd\x01\n\nTokenBatch\x12\x16\n\x0estart_position\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.pddjax.v1.FinishReason\x12\x12\n\nhanded_off\x18\x04 \x01(\x08\x12\x15\n\rhanded_off_at\x18\x05 \x01(\r\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pddjax.v1.TokenLogprob\"=\n\x13\x44\x65\x63odeStreamRequest\x12\x11\n\tsubscribe\x18\x01 \x03(\t\x12\x13\n\x0bunsubscribe\x18\x02 \x03(\t\"f\n\rRequestTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x15.pddjax.v1.TokenBatch\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"?\n\x14\x44\x65\x63odeStreamResponse\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.pddjax.v1.RequestTokens\"s\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cmain_address\x18\x02 \x01(\t\x12$\n\x04mode\x18\x03 \x01(\x0e\x32\x16.pddjax.v1.HandoffMode\x12\x11\n\tthreshold\x18\x04 \x01(\r\"\\\n\x0fHandoffResponse\x12\x12\n\nhanded_off\x18\x01 \x01(\x08\x12\x15\n\rhanded_off_at\x18\x02 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"w\n\x14HandoffTokensRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x11\n\tchunk_seq\x18\x05 \x01(\r\"S\n\x15HandoffTokensResponse\x12\x14\n\x0c\x63\x61ught_up_to\x18\x01 \x01(\r\x12\x11\n\temit_from\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"C\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63\x61\x63he\x18\x02 \x01(\x08\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x01(\x08\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x1f\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\'\n\rProbeResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x32\x92\x02\n\x07Prefill\x12\x36\n\x04Info\x12\x16.pddjax.v1.InfoRequest\x1a\x16.pddjax.v1.ServiceInfo\x12?\n\x07Prefill\x12\x19.pddjax.v1.PrefillRequest\x1a\x17.pddjax.v1.PrefillEvent0\x01\x12L\n\x0bMatchPrefix\x12\x1d.pddjax.v1.MatchPrefixRequest\x1a\x1e.pddjax.v1.MatchPrefixResponse\x12@\n\x07Release\x12\x19.pddjax.v1.ReleaseRequest\x1a\x1a.pddjax.v1.ReleaseResponse2\xb1\x05\n\x06\x44\x65\x63ode\x12\x36\n\x04Info\x12\x16.pddjax.v1.InfoRequest\x1a\x16.pddjax.v1.ServiceInfo\x12L\n\x0bMatchPrefix\x12\x1d.pddjax.v1.MatchPrefixRequest\x1a\x1e.pddjax.v1.MatchPrefixResponse\x12@\n\x07Reserve\x12\x19.pddjax.v1.ReserveRequest\x1a\x1a.pddjax.v1.ReserveResponse\x12\x39\n\x06PushKV\x12\x12.pddjax.v1.KVChunk\x1a\x19.pddjax.v1.PushKVResponse(\x01\x12;\n\x06\x44\x65\x63ode\x12\x18.pddjax.v1.DecodeRequest\x1a\x15.pddjax.v1.TokenBatch0\x01\x12@\n\x07Handoff\x12\x19.pddjax.v1.HandoffRequest\x1a\x1a.pddjax.v1.HandoffResponse\x12R\n\rHandoffTokens\x12\x1f.pddjax.v1.HandoffTokensRequest\x1a .pddjax.v1.HandoffTokensResponse\x12@\n\x07Release\x12\x19.pddjax.v1.ReleaseRequest\x1a\x1a.pddjax.v1.ReleaseResponse\x12:\n\x05Probe\x12\x17.pddjax.v1.ProbeRequest\x1a\x18.pddjax.v1.ProbeResponse\x12S\n\x0c\x44\x65\x63odeStream\x12\x1e.pddjax.v1.DecodeStreamRequest\x1a\x1f.pddjax.v1.DecodeStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,46 +50,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTARGET']._serialized_end=989
   _globals['_PREFILLREQUEST']._serialized_start=991
   _globals['_PREFILLREQUEST']._serialized_end=1105
-  _globals['_PREFILLED']._serialized_start=1107
-  _globals['_PREFILLED']._serialized_end=1198
-  _globals['_TRANSFERDONE']._serialized_start=1201
-  _globals['_TRANSFERDONE']._serialized_end=1373
-  _globals['_PREFILLEVENT']._serialized_start=1375
-  _globals['_PREFILLEVENT']._serialized_end=1491
-  _globals['_KVHEADER']._serialized_start=1494
-  _globals['_KVHEADER']._serialized_end=1718
-  _globals['_KVCHUNK']._serialized_start=1721
-  _globals['_KVCHUNK']._serialized_end=1962
-  _globals['_PUSHKVRESPONSE']._serialized_start=1964
-  _globals['_PUSHKVRESPONSE']._serialized_end=2045
-  _globals['_DECODEREQUEST']._serialized_start=2047
-  _globals['_DECODEREQUEST']._serialized_end=2082
-  _globals['_TOKENBATCH']._serialized_start=2085
-  _globals['_TOKENBATCH']._serialized_end=2231
-  _globals['_DECODESTREAMREQUEST']._serialized_start=2233
-  _globals['_DECODESTREAMREQUEST']._serialized_end=2294
-  _globals['_REQUESTTOKENS']._serialized_start=2296
-  _globals['_REQUESTTOKENS']._serialized_end=2398
-  _globals['_DECODESTREAMRESPONSE']._serialized_start=2400
-  _globals['_DECODESTREAMRESPONSE']._serialized_end=2463
-  _globals['_HANDOFFREQUEST']._serialized_start=2465
-  _globals['_HANDOFFREQUEST']._serialized_end=2580
-  _globals['_HANDOFFRESPONSE']._serialized_start=2582
-  _globals['_HANDOFFRESPONSE']._serialized_end=2674
-  _globals['_HANDOFFTOKENSREQUEST']._serialized_start=2676
-  _globals['_HANDOFFTOKENSREQUEST']._serialized_end=2795
-  _globals['_HANDOFFTOKENSRESPONSE']._serialized_start=2797
-  _globals['_HANDOFFTOKENSRESPONSE']._serialized_end=2880
-  _globals['_RELEASEREQUEST']._serialized_start=2882
-  _globals['_RELEASEREQUEST']._serialized_end=2949
-  _globals['_RELEASERESPONSE']._serialized_start=2951
-  _globals['_RELEASERESPONSE']._serialized_end=2983
-  _globals['_PROBEREQUEST']._serialized_start=2985
-  _globals['_PROBEREQUEST']._serialized_end=3016
-  _globals['_PROBERESPONSE']._serialized_start=3018
-  _globals['_PROBERESPONSE']._serialized_end=3057
-  _globals['_PREFILL']._serialized_start=3060
-  _globals['_PREFILL']._serialized_end=3334
-  _globals['_DECODE']._serialized_start=3337
-  _globals['_DECODE']._serialized_end=4026
+  _globals['_PREFILLED']._serialized_start=1108
+  _globals['_PREFILLED']._serialized_end=1247
+  _globals['_TRANSFERDONE']._serialized_start=1250
+  _globals['_TRANSFERDONE']._serialized_end=1422
+  _globals['_PREFILLEVENT']._serialized_start=1424
+  _globals['_PREFILLEVENT']._serialized_end=1540
+  _globals['_KVHEADER']._serialized_start=1543
+  _globals['_KVHEADER']._serialized_end=1767
+  _globals['_KVCHUNK']._serialized_start=1770
+  _globals['_KVCHUNK']._serialized_end=2060
+  _globals['_PUSHKVRESPONSE']._serialized_start=2062
+  _globals['_PUSHKVRESPONSE']._serialized_end=2143
+  _globals['_DECODEREQUEST']._serialized_start=2145
+  _globals['_DECODEREQUEST']._serialized_end=2180
+  _globals['_TOKENBATCH']._serialized_start=2183
+  _globals['_TOKENBATCH']._serialized_end=2372
+  _globals['_DECODESTREAMREQUEST']._serialized_start=2374
+  _globals['_DECODESTREAMREQUEST']._serialized_end=2435
+  _globals['_REQUESTTOKENS']._serialized_start=2437
+  _globals['_REQUESTTOKENS']._serialized_end=2539
+  _globals['_DECODESTREAMRESPONSE']._serialized_start=2541
+  _globals['_DECODESTREAMRESPONSE']._serialized_end=2604
+  _globals['_HANDOFFREQUEST']._serialized_start=2606
+  _globals['_HANDOFFREQUEST']._serialized_end=2721
+  _globals['_HANDOFFRESPONSE']._serialized_start=2723
+  _globals['_HANDOFFRESPONSE']._serialized_end=2815
+  _globals['_HANDOFFTOKENSREQUEST']._serialized_start=2817
+  _globals['_HANDOFFTOKENSREQUEST']._serialized_end=2936
+  _globals['_HANDOFFTOKENSRESPONSE']._serialized_start=2938
+  _globals['_HANDOFFTOKENSRESPONSE']._serialized_end=3021
+  _globals['_RELEASEREQUEST']._serialized_start=3023
+  _globals['_RELEASEREQUEST']._serialized_end=3090
+  _globals['_RELEASERESPONSE']._serialized_start=3092
+  _globals['_RELEASERESPONSE']._serialized_end=3124
+  _globals['_PROBEREQUEST']._serialized_start=3126
+  _globals['_PROBEREQUEST']._serialized_end=3157
+  _globals['_PROBERESPONSE']._serialized_start=3159
+  _globals['_PROBERESPONSE']._serialized_end=3198
+  _globals['_PREFILL']._serialized_start=3201
+  _globals['_PREFILL']._serialized_end=3475
+  _globals['_DECODE']._serialized_start=3478
+  _globals['_DECODE']._serialized_end=4167
 # @@protoc_insertion_point(module_scope)

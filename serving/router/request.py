@@ -124,6 +124,7 @@ class Request:
     prefill_ms: float = 0.0
     queued_ms: float = 0.0  # waited for KV pages in the tiers' page queues (P, RLD, MD), part of TTFT
     first_token: int | None = None  # P's (MD taking over before RLD sent any token)
+    first_logprob: object = None  # its common_pb2.TokenLogprob, when the request asked for logprobs
     bytes_relay: int = 0  # KV bytes P sent RLD
     bytes_main: int = 0  # KV bytes P sent MD (over the WAN), as encoded
     kv_wire_relay: str = "native"  # the KV wire format of P -> RLD (Transfers.choose_wire)
@@ -159,6 +160,10 @@ class Request:
     def __post_init__(self):
         self.relay_out = Tagged(self.out, common_pb2.ROLE_RELAY)
         self.main_out = Tagged(self.out, common_pb2.ROLE_MAIN)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.spec is not None and self.spec.sampling.logprobs
 
     @property
     def state(self) -> State:

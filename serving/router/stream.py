@@ -57,8 +57,10 @@ class Output:
     def __init__(self, r: Request, tokenizer, stop_strings, metrics: RouterMetrics, on_switch=None):
         self.r, self.timer = r, metrics.timer(r.t0)
         self.text = IncrementalText(tokenizer, stop_strings)  # O(batch) per batch
+        self.tokenizer, self._texts = tokenizer, {}  # token id -> its text alone (logprobs' token strings)
         self.on_switch = on_switch
         self.ahead: list[int] | None = []  # MD's tokens while RLD is the source (None: MD disagreed or failed)
+        self.ahead_lps: list = []  # their logprobs (when the request asked)
         self.ahead_at = 0  # output position of ahead[0]
         self.main_finish = common_pb2.FINISH_REASON_UNSPECIFIED  # MD finished within `ahead`
         self.ahead_t0 = 0.0  # when MD's first batch came (perf_counter)
@@ -81,7 +83,7 @@ class Output:
             items = [await r.out.get()]
             while not r.out.empty() and not _terminal(items[-1][1]):
                 items.append(r.out.get_nowait())
-            new, switch = [], False
+            new, lps, switch = [], [], False
             for role, it in items:
                 if (role == common_pb2.ROLE_MAIN) != self.on_main:
                     if not self.on_main:
@@ -95,30 +97,55 @@ class Output:
                         continue
                 if it.token_ids and it.start_position != len(r.tokens) + len(new):
                     raise Abort(grpc.StatusCode.INTERNAL, f"token stream out of order at position {it.start_position}")
+                self._check_logprobs(it, role)
                 new += it.token_ids
+                lps += it.logprobs
                 switch = switch or it.handed_off
                 finish = finish or it.finish_reason
             if new or finish:
-                msg = self._message(new, finish)
+                msg = self._message(new, finish, lps)
                 finish = msg.finish_reason
                 yield msg
             if not finish and (switch or (not self.on_main and self._main_caught_up())):
                 self._switch()
                 held = self._take_ahead()
                 if held is not None:
-                    msg = self._message(list(held.token_ids), held.finish_reason)
+                    msg = self._message(list(held.token_ids), held.finish_reason, list(held.logprobs))
                     finish = msg.finish_reason
                     yield msg
 
-    def _message(self, new: list[int], finish: int) -> router_pb2.GenerateResponse:
+    def _check_logprobs(self, it, role: int) -> None:
+        """A batch of a request that asked for logprobs carries one per token (P's first token
+        filled in from its Prefilled when the batch is MD's take-over that starts with it)."""
+        if not self.r.wants_logprobs or len(it.logprobs) == len(it.token_ids):
+            return
+        if (not it.logprobs and it.start_position == 0 and it.token_ids and self.r.first_logprob is not None
+                and len(it.token_ids) == 1):
+            it.logprobs.append(self.r.first_logprob)
+            return
+        name = "MD" if role == common_pb2.ROLE_MAIN else "RLD"
+        raise Abort(grpc.StatusCode.INTERNAL, f"{name} sent {len(it.token_ids)} tokens with {len(it.logprobs)} "
+                                              f"logprobs at position {it.start_position}")
+
+    def _message(self, new: list[int], finish: int, lps: list) -> router_pb2.GenerateResponse:
         source = common_pb2.ROLE_MAIN if self.on_main else common_pb2.ROLE_RELAY
         delta, stop = self._add(new, source, bool(finish))
         msg = router_pb2.GenerateResponse(request_id=self.r.label, token_ids=new, sources=[source] * len(new),
-                                          text=delta)
+                                          text=delta, logprobs=lps)
+        if lps and self.tokenizer is not None:
+            for tok, lp in zip(new, msg.logprobs):
+                lp.token = self._text(tok)
+                lp.top_tokens.extend(self._text(t) for t in lp.top_ids)
         if stop or finish:
             msg.finish_reason = common_pb2.FINISH_REASON_STOP if stop else finish
             self._summary(msg)
         return msg
+
+    def _text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _hold_main(self, it) -> None:
         """An MD batch while RLD is the source: keep its tokens by position (contiguous)."""
@@ -128,12 +155,17 @@ class Output:
             self.ahead = None
             return
         if it.token_ids:
+            if self.r.wants_logprobs and len(it.logprobs) != len(it.token_ids):
+                self.ahead = None  # MD's batch lacks logprobs: never switch on it
+                return
             if not self.ahead:
                 self.ahead_at, self.ahead_t0 = it.start_position, time.perf_counter()
+                self.ahead_lps = []
             elif it.start_position != self.ahead_at + len(self.ahead):
                 self.ahead = None  # a hole in MD's stream: never switch on it
                 return
             self.ahead += it.token_ids
+            self.ahead_lps += it.logprobs
         self.main_finish = self.main_finish or it.finish_reason
 
     def _main_caught_up(self) -> bool:
@@ -167,7 +199,8 @@ class Output:
         if not ahead:
             return None
         held = self._from(cluster_pb2.TokenBatch(start_position=self.ahead_at, token_ids=ahead,
-                                                 finish_reason=self.main_finish), len(self.r.tokens))
+                                                 finish_reason=self.main_finish, logprobs=self.ahead_lps),
+                          len(self.r.tokens))
         return held if held is not None and held.start_position == len(self.r.tokens) else None
 
     def _from(self, it, position: int):
@@ -182,7 +215,7 @@ class Output:
             at_end = it.finish_reason and it.start_position + have == position
             return cluster_pb2.TokenBatch(start_position=position, finish_reason=it.finish_reason) if at_end else None
         return cluster_pb2.TokenBatch(start_position=position, token_ids=it.token_ids[have:],
-                                      finish_reason=it.finish_reason)
+                                      finish_reason=it.finish_reason, logprobs=it.logprobs[have:])
 
     def _add(self, new: list[int], source: int, final: bool) -> tuple[str, bool]:
         """Books `new` tokens (times, text) -> (their text, a stop string ended the text)."""

@@ -99,6 +99,8 @@ class Transfers:
                             r.queued_ms += ev.prefilled.queued_ms
                             self.m.page_wait("prefill", ev.prefilled.queued_ms)
                             r.first_token = ev.prefilled.first_token
+                            if ev.prefilled.HasField("first_logprob"):
+                                r.first_logprob = ev.prefilled.first_logprob
                             continue
                         reported.add(ev.transfer_done.role)
                         self._transfer_done(r, ev.transfer_done)

@@ -159,7 +159,7 @@ def test_a_broken_stream_fails_each_request_through_on_error_and_the_next_opens_
         assert list(got_a[0].token_ids) == [4, 5] and isinstance(got_a[1], Abort)
         assert got_a[1].code == grpc.StatusCode.UNAVAILABLE and "RLD went away" in got_a[1].message
         assert list(got_b[1].token_ids) == [6] and got_b[1].handed_off
-        assert seen_by_recovery == [(grpc.StatusCode.UNAVAILABLE, "RLD went away", [4, 5])]
+        assert seen_by_recovery == [(grpc.StatusCode.UNAVAILABLE, "relay unavailable: RLD went away", [4, 5])]
         await until(lambda: inst.decode_stream is None)
         decode_streams.subscribe(inst, "c", asyncio.Queue(), "relay")
         assert inst.decode_stream is not first

@@ -228,6 +228,73 @@ def test_chat_equals_router(up, oai, router, stream, sampling):
     assert toks == want.token_ids and text == want.text
 
 
+BIAS = {"5": 4.0, "40": -100.0}  # OpenAI's logit_bias: token ids as strings
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_logprobs_and_penalties_equal_router(up, oai, router, stream):
+    """logprobs / top_logprobs, presence / frequency penalties and logit_bias on a chat: the
+    same tokens and logprobs as the router's gRPC answer; each token's text and UTF-8 bytes."""
+    want = router.generate(make_request(chat=CHAT_AS_ROUTER, max_tokens=10, ignore_eos=True, temperature=0.8,
+                                        top_p=0.95, seed=7, presence_penalty=0.5, frequency_penalty=0.3,
+                                        logit_bias={5: 4.0, 40: -100.0}, logprobs=True, top_logprobs=3),
+                           timeout=120)
+    kw = dict(model="tinychat", messages=CHAT, max_completion_tokens=10, logprobs=True, top_logprobs=3,
+              extra_body={"ignore_eos": True, "return_token_ids": True, "logit_bias": BIAS},
+              presence_penalty=0.5, frequency_penalty=0.3, **SEEDED)
+    if stream:
+        toks, text, chunks = streamed(oai.chat.completions.create(stream=True, **kw))
+        content = [c for ch in chunks for choice in ch.choices if choice.logprobs for c in choice.logprobs.content]
+    else:
+        r = oai.chat.completions.create(**kw)
+        toks, text, content = r.choices[0].token_ids, r.choices[0].message.content, r.choices[0].logprobs.content
+    assert toks == want.token_ids and text == want.text and 40 not in toks
+    assert len(content) == len(toks) == len(want.logprobs)
+    for c, (wlp, wtop) in zip(content, want.logprobs):
+        assert bytes(c.bytes) == c.token.encode() and len(c.top_logprobs) == 3
+        assert abs(c.logprob - wlp) < 1e-6
+        assert all(abs(a.logprob - w) < 1e-6 for a, (_, w) in zip(c.top_logprobs, wtop))
+        assert c.top_logprobs[0].logprob >= c.logprob - 1e-6  # the most likely first
+
+
+def test_completion_logprobs_lists_align(up, oai, router):
+    p = ids(25, 4)
+    want = router.generate(make_request(p, max_tokens=8, pipeline="pdd", ignore_eos=True, logprobs=True,
+                                        top_logprobs=2), timeout=120)
+    r = oai.completions.create(model="tinychat", prompt=p, max_tokens=8, temperature=0, logprobs=2,
+                               extra_body={"ignore_eos": True, "pipeline": "pdd"})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert all(abs(a - w) < 1e-6 for a, (w, _) in zip(lp.token_logprobs, want.logprobs))
+    assert all(len(t) <= 2 and max(t.values()) >= v - 1e-6 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(8)]
+
+
+@pytest.mark.parametrize("kw, param, words", [
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs", "top_logprobs must be an integer in [0, 20]"),
+    (dict(top_logprobs=2), "top_logprobs", "top_logprobs needs logprobs"),
+    (dict(presence_penalty=3.0), "presence_penalty", "presence_penalty must be a number in [-2, 2]"),
+    (dict(logit_bias={"abc": 1.0}), "logit_bias", "logit_bias key 'abc' is not a token id"),
+    (dict(logit_bias={"3": 101.0}), "logit_bias", "logit_bias of token 3 must be a number in [-100, 100]"),
+    (dict(extra_body={"repetition_penalty": 0.0}), "repetition_penalty", "repetition_penalty must be a number"),
+])
+def test_bad_sampling_values_are_400_naming_the_field(oai, kw, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="tinychat", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                    **kw)
+    err = shape(e.value)
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_a_logit_bias_past_the_vocabulary_is_the_routers_400(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tinychat", prompt=[5, 6], max_tokens=2, logit_bias={"100000": 1.0})
+    assert "logit_bias token id 100000 is not a token id in [0, " in shape(e.value)["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tinychat", prompt=[5, 6], max_tokens=2, logprobs=6)
+    assert shape(e.value)["param"] == "logprobs"
+
+
 def test_second_turn_usage_and_cached_tokens(up, oai):
     """A session's two turns (named by the x-session-id header): turn 2 re-sends turn 1's prompt
     and answer; P's prefix cache supplies turn 1's prompt (cached_tokens, full 16-token pages),
