@@ -55,14 +55,17 @@ class Result:
 def make_request(prompt_ids=None, text=None, chat=None, *, max_tokens=16, temperature=0.0, top_k=0, top_p=1.0,
                  seed=0, stop_ids=(), stop_strings=(), pipeline="auto", handoff=None, request_id="", session_id="",
                  ignore_eos=False, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                 logit_bias=(), logprobs=False, top_logprobs=0) -> router_pb2.GenerateRequest:
-    """A GenerateRequest; `logit_bias`: (token id, bias) pairs or a mapping of them."""
+                 logit_bias=(), logprobs=False, top_logprobs=0, grammar=None) -> router_pb2.GenerateRequest:
+    """A GenerateRequest; `logit_bias`: (token id, bias) pairs or a mapping of them; `grammar`:
+    (kind, text), e.g. ("json_schema", '{"type": "object"}') or ("regex", "[a-z]+")."""
     bias = logit_bias.items() if isinstance(logit_bias, dict) else logit_bias
     sampling = common_pb2.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                    repetition_penalty=repetition_penalty,
                                    logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in bias],
                                    logprobs=logprobs, top_logprobs=top_logprobs)
+    if grammar is not None:
+        sampling.grammar.kind, sampling.grammar.text = grammar
     req = router_pb2.GenerateRequest(
         request_id=request_id, session_id=session_id, max_tokens=max_tokens, sampling=sampling,
         stop_token_ids=list(stop_ids), stop_strings=list(stop_strings), pipeline=PIPELINES[pipeline],

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pddjax.grammar.spec import GrammarSpec
 from pddjax.model.sampling_params import SamplingParams
 from serving.pb import cluster_pb2, common_pb2
 
@@ -149,7 +150,8 @@ def sampling_from_pb(s: common_pb2.Sampling) -> SamplingParams:
                           presence_penalty=float(s.presence_penalty), frequency_penalty=float(s.frequency_penalty),
                           repetition_penalty=repetition,
                           logit_bias=tuple((int(b.token_id), float(b.bias)) for b in s.logit_bias),
-                          logprobs=bool(s.logprobs), top_logprobs=int(s.top_logprobs))
+                          logprobs=bool(s.logprobs), top_logprobs=int(s.top_logprobs),
+                          grammar=GrammarSpec(s.grammar.kind, s.grammar.text) if s.HasField("grammar") else None)
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.Sampling:
@@ -157,7 +159,9 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.Sampling:
                                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                                repetition_penalty=p.repetition_penalty,
                                logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias],
-                               logprobs=p.logprobs, top_logprobs=p.top_logprobs)
+                               logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+                               grammar=None if p.grammar is None else common_pb2.Grammar(kind=p.grammar.kind,
+                                                                                          text=p.grammar.text))
 
 
 def logprob_to_pb(lp) -> common_pb2.TokenLogprob:

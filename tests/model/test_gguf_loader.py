@@ -71,13 +71,13 @@ def test_tokenizer_from_metadata(tmp_path, tiny):
     assert tok.encode("<|im_start|>hi") == [1] + tok.encode("hi")  # control token recognised
 
 
-def test_orbax_cache_round_trip(tmp_path, monkeypatch, tiny):
+def test_weights_cache_round_trip(tmp_path, monkeypatch, tiny):
     monkeypatch.setenv("PDDJAX_CACHE_DIR", str(tmp_path / "cache"))
     path = str(tmp_path / "t.gguf")
     write_llama_gguf(path, tiny.config, tiny.weights, {"q": "Q8_0"})
     cold = load_model(path)
     warm = load_model(path)
-    assert (cold.source, warm.source) == ("gguf", "orbax-cache")
+    assert (cold.source, warm.source) == ("gguf", "weights-cache")
     assert warm.config == cold.config and warm.fingerprint == cold.fingerprint
     for name, arr in to_dict(cold.weights).items():
         np.testing.assert_array_equal(to_dict(warm.weights)[name], arr)

@@ -2,7 +2,7 @@
 tools/make_hf_tiny_fixtures.py with transformers) against transformers' own outputs on them:
 config from config.json, float32 logits within 1e-4 (absolute) of transformers', greedy tokens
 identical through the reference engine and the paged engine; sharded and single-file loads of
-one checkpoint give equal weights; the orbax cache round-trips a bf16 checkpoint in bf16.
+one checkpoint give equal weights; the weights cache round-trips a bf16 checkpoint in bf16.
 
 The fixtures' smallest top-1 - top-2 logit gap over all greedy steps is >= 0.02, so a 1e-4
 logit error cannot flip a greedy token: token equality here is exact, not luck."""
@@ -109,10 +109,10 @@ def test_sharded_and_single_file_load_equal(tmp_path):
     assert a.fingerprint == b.fingerprint  # tensor content, not file layout
 
 
-def test_orbax_cache_keeps_a_bf16_checkpoint(tmp_path, monkeypatch):
+def test_weights_cache_keeps_a_bf16_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("PDDJAX_CACHE_DIR", str(tmp_path / "cache"))
     cold, warm = load_model(hf_fixture("llama")), load_model(hf_fixture("llama"))
-    assert (cold.source, warm.source) == ("safetensors", "orbax-cache")
+    assert (cold.source, warm.source) == ("safetensors", "weights-cache")
     assert warm.config == cold.config and warm.fingerprint == cold.fingerprint
     dc, dw = wmod.to_dict(cold.weights), wmod.to_dict(warm.weights)
     assert dc.keys() == dw.keys() and dw["wq"].dtype == ml_dtypes.bfloat16

@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -32,11 +33,13 @@ import time
 import grpc
 import httpx
 import openai
+import pydantic
 import pytest
 
 from pddjax import env
 from serving.client import Client, make_request
 from serving.pb import cluster_pb2, cluster_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.support.chat_model import write_model
 from tests.support.paths import ROOT
 from tests.support.samples import prompt as ids
 from tests.support.serving_stack import launch_up
@@ -45,32 +48,11 @@ from tests.support.stack_checks import scrape
 pytestmark = pytest.mark.timeout(400)
 
 TOKEN = "sk-pddjax-test-token"
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 ENGINE = {"dtype": "float32", "page_size": 16, "num_pages": 256, "max_step_tokens": 128, "max_rows": 8}
 SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 7}
 WAN_MS = 1000  # one way, A -> B: a pd-cross request waits >= 1 s for its KV (in flight when a test acts)
 CONFIG = os.path.join(ROOT, "configs", "tiny.toml")
 LONG = 470  # tokens: ~0.8 s alone on the tiny model, more when 4 share the engine (still in flight when a test acts)
-
-
-def write_model(path: str, tiny) -> None:
-    """The tiny model's weights as a GGUF with tests/support/gguf_factory.py's tokenizer plus a chat template."""
-    import gguf
-
-    from tests.support import gguf_factory
-
-    class WithTemplate(gguf.GGUFWriter):
-        def write_header_to_file(self, *a, **kw):
-            self.add_chat_template(CHATML)
-            super().write_header_to_file(*a, **kw)
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(gguf, "GGUFWriter", WithTemplate)
-    try:
-        gguf_factory.write_llama_gguf(path, tiny.config, tiny.weights)
-    finally:
-        mp.undo()
 
 
 def start_up(request, d):
@@ -293,6 +275,53 @@ def test_a_logit_bias_past_the_vocabulary_is_the_routers_400(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="tinychat", prompt=[5, 6], max_tokens=2, logprobs=6)
     assert shape(e.value)["param"] == "logprobs"
+
+
+class Note(pydantic.BaseModel):
+    title: str = pydantic.Field(max_length=12)
+    count: int
+
+
+NOTE = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 12},
+                                         "count": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["title", "count"], "additionalProperties": False}
+
+
+def test_structured_output(oai):
+    """response_format json_object / json_schema, the SDK's parse with a pydantic model, and the
+    regex (streamed) and Lark (a completion) extensions: the text is in the language asked."""
+    kw = dict(model="tinychat", messages=[{"role": "user", "content": "A JSON note."}], max_tokens=200)
+    r = oai.chat.completions.create(response_format={"type": "json_object"}, **kw)
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = oai.chat.completions.create(response_format={"type": "json_schema", "json_schema": {
+        "name": "note", "schema": NOTE, "strict": True}}, **kw)
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"title", "count"} and len(value["title"]) <= 12 and 0 <= value["count"] <= 999, value
+    parsed = oai.chat.completions.parse(response_format=Note, **kw).choices[0].message.parsed  # the SDK's schema
+    assert isinstance(parsed, Note) and len(parsed.title) <= 12
+    chunks = list(oai.chat.completions.create(stream=True, extra_body={"regex": "[0-9]{2}:[0-9]{2}"}, **kw))
+    assert re.fullmatch("[0-9]{2}:[0-9]{2}", "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    c = oai.completions.create(model="tinychat", prompt="Answer:", max_tokens=20,
+                               extra_body={"grammar": 'start: "red" | "green" | "blue"'})
+    assert c.choices[0].text in ("red", "green", "blue")
+
+
+@pytest.mark.parametrize("kw, param, words", [
+    (dict(response_format={"type": "xml"}), "response_format", "response_format type must be text, json_object"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": []}}), "response_format",
+     "must be an object with a `schema` object"),
+    (dict(response_format={"type": "json_object"}, extra_body={"regex": "a+"}), "regex", "send one of"),
+    (dict(extra_body={"regex": ""}), "regex", "regex"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "not": {"type": "string"}}}}), None, "not"),  # the grammar engine's sentence, via the router
+    (dict(extra_body={"regex": "(unclosed"}), None, "regex"),
+])
+def test_bad_grammars_are_400_naming_the_part(oai, kw, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="tinychat", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                    **kw)
+    err = e.value.response.json()["error"]
+    assert err["param"] == param and words in err["message"], err
 
 
 def test_second_turn_usage_and_cached_tokens(up, oai):
