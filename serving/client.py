@@ -4,6 +4,7 @@ demo and tests): collects the stream into one result with per-token sources."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import grpc
@@ -19,6 +20,7 @@ HANDOFFS = {None: common_pb2.HANDOFF_MODE_UNSPECIFIED, "one-shot": common_pb2.HA
 _PIPELINE_NAMES = {v: k for k, v in PIPELINES.items()}
 _SOURCES = {common_pb2.ROLE_RELAY: "relay", common_pb2.ROLE_MAIN: "main", common_pb2.ROLE_PREFILL: "prefill"}
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+           common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
            common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_UNSPECIFIED: None}
 
 
@@ -47,6 +49,7 @@ class Result:
     messages: int  # stream messages that carried tokens
     # when the request asked: per token (logprob, ((token id, logprob), ...) most likely first)
     logprobs: list = dataclasses.field(default_factory=list)
+    tool_calls: list = dataclasses.field(default_factory=list)  # with tools: [{"id", "name", "arguments"}, ...]
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -55,7 +58,8 @@ class Result:
 def make_request(prompt_ids=None, text=None, chat=None, *, max_tokens=16, temperature=0.0, top_k=0, top_p=1.0,
                  seed=0, stop_ids=(), stop_strings=(), pipeline="auto", handoff=None, request_id="", session_id="",
                  ignore_eos=False, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                 logit_bias=(), logprobs=False, top_logprobs=0, grammar=None) -> router_pb2.GenerateRequest:
+                 logit_bias=(), logprobs=False, top_logprobs=0, grammar=None, tools=None, tool_choice="",
+                 parallel_tool_calls=True) -> router_pb2.GenerateRequest:
     """A GenerateRequest; `logit_bias`: (token id, bias) pairs or a mapping of them; `grammar`:
     (kind, text), e.g. ("json_schema", '{"type": "object"}') or ("regex", "[a-z]+")."""
     bias = logit_bias.items() if isinstance(logit_bias, dict) else logit_bias
@@ -73,7 +77,13 @@ def make_request(prompt_ids=None, text=None, chat=None, *, max_tokens=16, temper
     if prompt_ids is not None:
         req.token_ids.ids.extend(prompt_ids)
     elif chat is not None:
-        req.chat.messages.extend(router_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
+        for m in chat:  # {"role", "content"}, an assistant's "tool_calls" ({"id", "name", "arguments"}), "tool_call_id"
+            req.chat.messages.append(router_pb2.ChatMessage(
+                role=m["role"], content=m.get("content") or "", tool_call_id=m.get("tool_call_id", ""),
+                tool_calls=[router_pb2.ToolCall(**c) for c in m.get("tool_calls", ())]))
+        if tools:
+            req.chat.tools_json = json.dumps(tools)
+        req.chat.tool_choice, req.chat.single_tool_call = tool_choice, not parallel_tool_calls
     else:
         req.text = text
     return req
@@ -123,7 +133,7 @@ class Client:
 
     def generate(self, req: router_pb2.GenerateRequest, timeout: float | None = None, on_tokens=None) -> Result:
         t0 = time.perf_counter()
-        ttft, toks, srcs, text, last, first, n, lps = None, [], [], "", None, None, 0, []
+        ttft, toks, srcs, text, last, first, n, lps, calls = None, [], [], "", None, None, 0, [], {}
         try:
             for msg in self.stub.Generate(req, timeout=timeout, metadata=self.metadata):
                 first = first or msg
@@ -136,6 +146,10 @@ class Client:
                 srcs += [_SOURCES.get(s, "?") for s in msg.sources]
                 text += msg.text
                 lps += [(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in msg.logprobs]
+                for c in msg.tool_calls:
+                    call = calls.setdefault(c.index, {"id": "", "name": "", "arguments": ""})
+                    call["id"], call["name"] = c.id or call["id"], c.name or call["name"]
+                    call["arguments"] += c.arguments
                 last = msg
         except grpc.RpcError as e:
             raise RouterError(e.code(), e.details()) from None
@@ -144,4 +158,5 @@ class Client:
         timings = {f.name: round(getattr(t, f.name), 2) for f in t.DESCRIPTOR.fields}
         return Result(first.request_id, _PIPELINE_NAMES[first.pipeline], list(first.prompt_token_ids), toks, srcs, text,
                       _FINISH[last.finish_reason], round(1e3 * (ttft or 0), 2),
-                      round(1e3 * (time.perf_counter() - t0), 2), usage, timings, first.explain, n, lps)
+                      round(1e3 * (time.perf_counter() - t0), 2), usage, timings, first.explain, n, lps,
+                      [calls[i] for i in sorted(calls)])

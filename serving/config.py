@@ -79,6 +79,7 @@ class RouterSettings:
     relay_kv: list[str] = dataclasses.field(default_factory=list)  # RLD as P reaches it with KV (parallel to relay)
     handoff: str = "auto"  # "auto" (chunked while more than the threshold is pending) | "one-shot" | "chunked"
     handoff_threshold: int = _POLICY.handoff_threshold
+    tool_parser: str = ""  # the tool-call syntax ("hermes" | "llama3" | "mistral"); "": the chat template's
     chunk_bytes: int = 2 * 1024 * 1024
     ttft_budget_ms: float = _POLICY.ttft_budget_s * 1e3  # auto: pd-cross when MD's KV delta arrives within this
     filter_cap: float = _POLICY.filter_cap  # auto: at most this share of recent requests filtered to pd-local
@@ -197,6 +198,9 @@ def service_config(stack: dict, role: str, port: int | None = None) -> ServiceCo
         cfg.router = RouterSettings(**section)
         if cfg.router.handoff not in ("auto", "one-shot", "chunked"):
             raise UserError(f"[router] handoff must be auto, one-shot or chunked, got {cfg.router.handoff!r}")
+        if cfg.router.tool_parser not in ("", "hermes", "llama3", "mistral"):
+            raise UserError(f"[router] tool_parser must be hermes, llama3 or mistral (or left out: the chat "
+                            f"template's), got {cfg.router.tool_parser!r}")
         return cfg
     for key, cast in (("coordinator_address", str), ("num_processes", int), ("process_id", int)):
         if key in section:  # the role's table only: each host's process gets its own id

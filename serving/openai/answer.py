@@ -29,7 +29,7 @@ from serving.pb import common_pb2, router_pb2
 
 _TEXT_MARK, _ID_MARK = "pddjax-text-marker", 987654321987  # token_chunk_json's placeholders (nothing else holds them)
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-          common_pb2.FINISH_REASON_CANCELLED: "stop"}
+          common_pb2.FINISH_REASON_CANCELLED: "stop", common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 PIPELINES = {common_pb2.PIPELINE_AUTO: "auto", common_pb2.PIPELINE_PDD: "pdd",
              common_pb2.PIPELINE_PD_CROSS: "pd-cross", common_pb2.PIPELINE_PD_LOCAL: "pd-local"}
 SOURCES = {common_pb2.ROLE_RELAY: "relay", common_pb2.ROLE_MAIN: "main", common_pb2.ROLE_PREFILL: "prefill"}
@@ -56,6 +56,7 @@ class Answer:
         self.logprobs = logprobs  # the request asked: every choice and token chunk carries them
         self.lps: list = []  # common_pb2.TokenLogprob per token (the router's, with token texts)
         self.lp_offset = 0  # a completion's text_offset of the next token
+        self.calls: dict[int, dict] = {}  # tool calls by index: {"id", "name", "arguments"} (the router's parse)
         self.cache_hits = cache_hits  # tell the caches' hits (module docstring)
         self.created = int(time.time())
         self.pipeline, self.explain, self.prompt_ids = "", "", []
@@ -75,6 +76,10 @@ class Answer:
                 msg.prompt_token_ids)
         self.token_ids += msg.token_ids
         self.lps += msg.logprobs
+        for c in msg.tool_calls:
+            call = self.calls.setdefault(c.index, {"id": "", "name": "", "arguments": ""})
+            call["id"], call["name"] = c.id or call["id"], c.name or call["name"]
+            call["arguments"] += c.arguments
         for src in msg.sources:
             if src == common_pb2.ROLE_RELAY:
                 self.relay_tokens += 1
@@ -142,7 +147,12 @@ class Answer:
     def response(self) -> s.ChatCompletion | s.Completion:
         common = dict(**self._head(), usage=self.usage(), pddjax=self.extension())
         if self.chat:
-            choice = s.ChatChoice(index=0, message=s.AssistantMessage(role="assistant", content=self.text),
+            calls = [s.ToolCall(id=c["id"], type="function",
+                                function=s.Function(name=c["name"], arguments=c["arguments"]))
+                     for _, c in sorted(self.calls.items())]
+            message = (s.AssistantMessage(role="assistant", content=self.text or None, tool_calls=calls) if calls
+                       else s.AssistantMessage(role="assistant", content=self.text))
+            choice = s.ChatChoice(index=0, message=message,
                                   finish_reason=self.finish, logprobs=self._logprobs(self.lps),
                                   **self._ids(self.token_ids))
             return s.ChatCompletion(object="chat.completion", choices=[choice], **common)
@@ -152,7 +162,7 @@ class Answer:
 
     # ---- stream chunks -------------------------------------------------------------------
     def chunk(self, text: str | None, ids=(), finish: str | None = None, role: bool = False,
-              usage_null: bool = False, source: int = 0, lps=None) -> s.ChatCompletionChunk | s.Completion:
+              usage_null: bool = False, source: int = 0, lps=None, calls=()) -> s.ChatCompletionChunk | s.Completion:
         """One chunk: `text` (chat: the delta's content; None: no content key), the ids it
         carries (and `lps`, their TokenLogprobs, when the request asked), `finish` on the last;
         `role` on a chat's first; `usage_null` when the client asked for usage (every chunk but
@@ -168,6 +178,10 @@ class Answer:
         if self.chat:
             delta = s.Delta(role="assistant", content=text or "") if role else (
                 s.Delta(content=text) if text is not None else s.Delta())
+            if calls:  # the router's ToolCallDeltas: a call's head (index, id, name) with its arguments
+                delta.tool_calls = [{"index": c.index, **({"id": c.id, "type": "function"} if c.id else {}),
+                                     "function": {**({"name": c.name} if c.id else {}), "arguments": c.arguments}}
+                                    for c in calls]
             choice = s.ChatChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=logprobs,
                                        **(self._ids(ids) if not role else {}))
             return s.ChatCompletionChunk(object="chat.completion.chunk", choices=[choice], **head, **extra)

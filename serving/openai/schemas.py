@@ -46,7 +46,9 @@ class TextPart(_Body):
 class Message(_Body):
     role: str
     content: str | list[TextPart] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[Any] | None = Field(None, max_length=128)  # an assistant's
+    tool_call_id: str | None = None  # a "tool" message's: the call it answers
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -93,8 +95,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32)
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = Field(None, max_length=128)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
     @field_validator("messages", mode="before")
@@ -132,14 +135,27 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class Function(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: Function
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {"index", "id", "type", "function": {"name", "arguments"}}
 
 
 class TopLogprob(BaseModel):

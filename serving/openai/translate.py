@@ -18,7 +18,11 @@
   extensions `regex` and `grammar` (a Lark grammar), one at a time: the tiers mask every token
   the language does not allow (pddjax/grammar), the first token included;
 - placement: `pipeline`, `handoff`, `session_id` (else the `x-session-id` header);
-- n other than 1, tools, echo, suffix and best_of are refused by name (400): pddjax does not
+- tools: `tools` (functions), `tool_choice` (none / auto / required / a named function: the
+  last two forced by a grammar), `parallel_tool_calls`, assistant `tool_calls` and "tool"
+  messages, checked here and passed to the router, which renders them through the model's chat
+  template and parses the calls out of the output (serving/router/tools.py);
+- n other than 1, echo, suffix and best_of are refused by name (400): pddjax does not
   serve them, and silently ignoring them would mislead. A value out of range is a 400 naming
   its field, before anything is sent to the router.
 The response id (`chatcmpl-...` / `cmpl-...`) is the router's request_id label, so both logs
@@ -27,6 +31,7 @@ name the request alike.
 
 from __future__ import annotations
 
+import json
 import secrets
 
 from pddjax.grammar.spec import GrammarSpec
@@ -35,18 +40,16 @@ from serving.client import HANDOFFS, PIPELINES
 from serving.openai.errors import invalid
 from serving.openai.schemas import UINT32, ChatCompletionRequest, CompletionRequest
 from serving.pb import common_pb2, router_pb2
+from serving.tool_calls import validate
 
 SEEDS = 1 << 31  # pddjax.model.sampling_params: seeds in [0, 2^31)
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     if body.n not in (None, 1):
         raise invalid(f"n must be 1 (pddjax returns one choice per request), got {body.n}", "n")
-    if isinstance(body, ChatCompletionRequest):
-        if body.tools or body.tool_choice not in (None, "none", "auto"):  # "auto" with no tools: no tool calls
-            raise invalid("tools and tool_choice are not supported", "tools")
-    else:
+    if not isinstance(body, ChatCompletionRequest):
         if body.echo:
             raise invalid("echo is not supported", "echo")
         if body.suffix:
@@ -60,13 +63,15 @@ def chat_messages(body: ChatCompletionRequest) -> list[router_pb2.ChatMessage]:
     for i, m in enumerate(body.messages):
         role = CHAT_ROLES.get(m.role)
         if role is None:
-            raise invalid(f"messages[{i}].role {m.role!r} is not supported (use system, user or assistant)",
+            raise invalid(f"messages[{i}].role {m.role!r} is not supported (use system, user, assistant or tool)",
                           f"messages.{i}.role")
-        if m.tool_calls:
-            raise invalid(f"messages[{i}] has tool_calls: tools are not supported", f"messages.{i}.tool_calls")
-        if m.content is None:
+        calls = [router_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                 for c in m.tool_calls or ()]  # checked by tools()
+        if m.content is None and not calls:
             raise invalid(f"messages[{i}] has no content", f"messages.{i}.content")
-        if isinstance(m.content, str):
+        if m.content is None:
+            text = ""
+        elif isinstance(m.content, str):
             text = m.content
         else:
             bad = [p.type for p in m.content if p.type != "text" or p.text is None]
@@ -74,8 +79,24 @@ def chat_messages(body: ChatCompletionRequest) -> list[router_pb2.ChatMessage]:
                 raise invalid(f"messages[{i}] has a {bad[0]!r} content part: only text parts are supported",
                               f"messages.{i}.content")
             text = "\n".join(p.text for p in m.content)
-        out.append(router_pb2.ChatMessage(role=role, content=text))
+        out.append(router_pb2.ChatMessage(role=role, content=text, tool_calls=calls, tool_call_id=m.tool_call_id or ""))
     return out
+
+
+def tools(body: ChatCompletionRequest, chat: router_pb2.Chat) -> None:
+    """`tools`, `tool_choice`, `parallel_tool_calls` and the tool messages, checked (400 naming
+    the part) into the router's Chat."""
+    try:
+        validate.check_messages([m.model_dump(exclude_none=True) for m in body.messages])
+        choice = validate.check_tools(body.tools or [], body.tool_choice, body.parallel_tool_calls)
+    except ValueError as e:
+        field = str(e).partition(".")[0].partition("[")[0].split()[0]
+        raise invalid(str(e), field if field in ("tools", "tool_choice", "messages", "parallel_tool_calls")
+                      else None) from None
+    if body.tools:
+        chat.tools_json = json.dumps(body.tools)
+    chat.tool_choice = choice.name if choice.mode == "function" else ("" if choice.mode == "auto" else choice.mode)
+    chat.single_tool_call = not choice.parallel
 
 
 def _prompt(body: CompletionRequest, req: router_pb2.GenerateRequest) -> None:
@@ -200,6 +221,7 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest, request_id
         handoff=HANDOFFS[body.handoff], ignore_eos=body.ignore_eos)
     if isinstance(body, ChatCompletionRequest):
         req.chat.messages.extend(chat_messages(body))
+        tools(body, req.chat)
     else:
         _prompt(body, req)
     return req

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from serving.pb import common_pb2 as pddjax_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pddjax/v1/router.proto\x12\tpddjax.v1\x1a\x16pddjax/v1/common.proto\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pddjax.v1.ChatMessage\"\xeb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.pddjax.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.pddjax.v1.ChatH\x00\x12%\n\x08sampling\x18\x06 \x01(\x0b\x32\x13.pddjax.v1.Sampling\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x14\n\x0cstop_strings\x18\t \x03(\t\x12%\n\x08pipeline\x18\n \x01(\x0e\x32\x13.pddjax.v1.Pipeline\x12\'\n\x07handoff\x18\x0b \x01(\x0e\x32\x16.pddjax.v1.HandoffMode\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x42\x08\n\x06prompt\"\xfc\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_on_prefill\x18\x02 \x01(\r\x12\x16\n\x0e\x63\x61\x63hed_on_main\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x14\n\x0crelay_tokens\x18\x05 \x01(\r\x12\x13\n\x0bmain_tokens\x18\x06 \x01(\r\x12\x19\n\x11kv_bytes_to_relay\x18\x07 \x01(\x04\x12\x18\n\x10kv_bytes_to_main\x18\x08 \x01(\x04\x12\x16\n\x0ehandoff_tokens\x18\t \x01(\r\x12\x16\n\x0ehandoff_chunks\x18\n \x01(\r\"\x84\x01\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x15\n\rkv_to_main_ms\x18\x04 \x01(\x01\x12\x18\n\x10handoff_position\x18\x05 \x01(\r\x12\x11\n\tqueued_ms\x18\x06 \x01(\x01\"\xdc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x07sources\x18\x03 \x03(\x0e\x32\x0f.pddjax.v1.Role\x12\x0c\n\x04text\x18\x04 \x01(\t\x12%\n\x08pipeline\x18\x05 \x01(\x0e\x32\x13.pddjax.v1.Pipeline\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.pddjax.v1.FinishReason\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.pddjax.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.pddjax.v1.Timings\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x0f\n\x07\x65xplain\x18\n \x01(\t\x12)\n\x08logprobs\x18\x0b \x03(\x0b\x32\x17.pddjax.v1.TokenLogprob2\x8b\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.pddjax.v1.GenerateRequest\x1a\x1b.pddjax.v1.GenerateResponse0\x01\x12:\n\x05Stats\x12\x17.pddjax.v1.StatsRequest\x1a\x18.pddjax.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pddjax/v1/router.proto\x12\tpddjax.v1\x1a\x16pddjax/v1/common.proto\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.pddjax.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"s\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pddjax.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\x12\x18\n\x10single_tool_call\x18\x04 \x01(\x08\"\xeb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.pddjax.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.pddjax.v1.ChatH\x00\x12%\n\x08sampling\x18\x06 \x01(\x0b\x32\x13.pddjax.v1.Sampling\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x14\n\x0cstop_strings\x18\t \x03(\t\x12%\n\x08pipeline\x18\n \x01(\x0e\x32\x13.pddjax.v1.Pipeline\x12\'\n\x07handoff\x18\x0b \x01(\x0e\x32\x16.pddjax.v1.HandoffMode\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x42\x08\n\x06prompt\"\xfc\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_on_prefill\x18\x02 \x01(\r\x12\x16\n\x0e\x63\x61\x63hed_on_main\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x14\n\x0crelay_tokens\x18\x05 \x01(\r\x12\x13\n\x0bmain_tokens\x18\x06 \x01(\r\x12\x19\n\x11kv_bytes_to_relay\x18\x07 \x01(\x04\x12\x18\n\x10kv_bytes_to_main\x18\x08 \x01(\x04\x12\x16\n\x0ehandoff_tokens\x18\t \x01(\r\x12\x16\n\x0ehandoff_chunks\x18\n \x01(\r\"\x84\x01\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x15\n\rkv_to_main_ms\x18\x04 \x01(\x01\x12\x18\n\x10handoff_position\x18\x05 \x01(\r\x12\x11\n\tqueued_ms\x18\x06 \x01(\x01\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x8a\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x07sources\x18\x03 \x03(\x0e\x32\x0f.pddjax.v1.Role\x12\x0c\n\x04text\x18\x04 \x01(\t\x12%\n\x08pipeline\x18\x05 \x01(\x0e\x32\x13.pddjax.v1.Pipeline\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.pddjax.v1.FinishReason\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.pddjax.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.pddjax.v1.Timings\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x0f\n\x07\x65xplain\x18\n \x01(\t\x12)\n\x08logprobs\x18\x0b \x03(\x0b\x32\x17.pddjax.v1.TokenLogprob\x12,\n\ntool_calls\x18\x0c \x03(\x0b\x32\x18.pddjax.v1.ToolCallDelta2\x8b\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.pddjax.v1.GenerateRequest\x1a\x1b.pddjax.v1.GenerateResponse0\x01\x12:\n\x05Stats\x12\x17.pddjax.v1.StatsRequest\x1a\x18.pddjax.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=108
   _globals['_TOKENIDS']._serialized_end=131
   _globals['_CHATMESSAGE']._serialized_start=133
-  _globals['_CHATMESSAGE']._serialized_end=177
-  _globals['_CHAT']._serialized_start=179
-  _globals['_CHAT']._serialized_end=227
-  _globals['_GENERATEREQUEST']._serialized_start=230
-  _globals['_GENERATEREQUEST']._serialized_end=593
-  _globals['_USAGE']._serialized_start=596
-  _globals['_USAGE']._serialized_end=848
-  _globals['_TIMINGS']._serialized_start=851
-  _globals['_TIMINGS']._serialized_end=983
-  _globals['_GENERATERESPONSE']._serialized_start=986
-  _globals['_GENERATERESPONSE']._serialized_end=1334
-  _globals['_ROUTER']._serialized_start=1337
-  _globals['_ROUTER']._serialized_end=1476
+  _globals['_CHATMESSAGE']._serialized_end=240
+  _globals['_TOOLCALL']._serialized_start=242
+  _globals['_TOOLCALL']._serialized_end=297
+  _globals['_CHAT']._serialized_start=299
+  _globals['_CHAT']._serialized_end=414
+  _globals['_GENERATEREQUEST']._serialized_start=417
+  _globals['_GENERATEREQUEST']._serialized_end=780
+  _globals['_USAGE']._serialized_start=783
+  _globals['_USAGE']._serialized_end=1035
+  _globals['_TIMINGS']._serialized_start=1038
+  _globals['_TIMINGS']._serialized_end=1170
+  _globals['_TOOLCALLDELTA']._serialized_start=1172
+  _globals['_TOOLCALLDELTA']._serialized_end=1247
+  _globals['_GENERATERESPONSE']._serialized_start=1250
+  _globals['_GENERATERESPONSE']._serialized_end=1644
+  _globals['_ROUTER']._serialized_start=1647
+  _globals['_ROUTER']._serialized_end=1786
 # @@protoc_insertion_point(module_scope)

@@ -125,6 +125,7 @@ class Request:
     queued_ms: float = 0.0  # waited for KV pages in the tiers' page queues (P, RLD, MD), part of TTFT
     first_token: int | None = None  # P's (MD taking over before RLD sent any token)
     first_logprob: object = None  # its common_pb2.TokenLogprob, when the request asked for logprobs
+    tools: object = None  # tools.ToolPlan: the output is read for tool calls (None: no tools, or tool_choice none)
     bytes_relay: int = 0  # KV bytes P sent RLD
     bytes_main: int = 0  # KV bytes P sent MD (over the WAN), as encoded
     kv_wire_relay: str = "native"  # the KV wire format of P -> RLD (Transfers.choose_wire)

@@ -27,6 +27,7 @@ from serving.pb import cluster_pb2, common_pb2, router_pb2
 from serving.router.detok import IncrementalText
 from serving.router.request import PIPELINE_NAMES, Abort, Request
 from serving.router.request_state import State
+from serving.router.tools import ToolText
 
 if TYPE_CHECKING:
     from serving.router.metrics import RouterMetrics
@@ -58,6 +59,7 @@ class Output:
         self.r, self.timer = r, metrics.timer(r.t0)
         self.text = IncrementalText(tokenizer, stop_strings)  # O(batch) per batch
         self.tokenizer, self._texts = tokenizer, {}  # token id -> its text alone (logprobs' token strings)
+        self.tools = ToolText(r.tools) if r.tools is not None else None  # tool calls read out of the text
         self.on_switch = on_switch
         self.ahead: list[int] | None = []  # MD's tokens while RLD is the source (None: MD disagreed or failed)
         self.ahead_lps: list = []  # their logprobs (when the request asked)
@@ -130,14 +132,19 @@ class Output:
     def _message(self, new: list[int], finish: int, lps: list) -> router_pb2.GenerateResponse:
         source = common_pb2.ROLE_MAIN if self.on_main else common_pb2.ROLE_RELAY
         delta, stop = self._add(new, source, bool(finish))
+        calls = []
+        if self.tools is not None:
+            delta, calls = self.tools.add(delta, bool(stop or finish))
         msg = router_pb2.GenerateResponse(request_id=self.r.label, token_ids=new, sources=[source] * len(new),
-                                          text=delta, logprobs=lps)
+                                          text=delta, logprobs=lps, tool_calls=calls)
         if lps and self.tokenizer is not None:
             for tok, lp in zip(new, msg.logprobs):
                 lp.token = self._text(tok)
                 lp.top_tokens.extend(self._text(t) for t in lp.top_ids)
         if stop or finish:
             msg.finish_reason = common_pb2.FINISH_REASON_STOP if stop else finish
+            if self.tools is not None and self.tools.called and msg.finish_reason == common_pb2.FINISH_REASON_STOP:
+                msg.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
             self._summary(msg)
         return msg
 

@@ -11,13 +11,16 @@ handoff mode (the client's, else `[router] handoff`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from typing import TYPE_CHECKING
 
 import grpc
 
+from pddjax.grammar.spec import GrammarSpec
 from serving import rpc
 from serving.pb import cluster_pb2, common_pb2
+from serving.router import tools
 from serving.router.request import PIPELINE_NAMES, Abort
 
 if TYPE_CHECKING:
@@ -43,7 +46,7 @@ def _bounded(req: router_pb2.GenerateRequest) -> None:
                                                       f"got {len(req.stop_token_ids)}")
 
 
-def prompt_of(req: router_pb2.GenerateRequest, cfg, tokenizer) -> list[int]:
+def prompt_of(req: router_pb2.GenerateRequest, cfg, tokenizer, plan: tools.ToolPlan | None = None) -> list[int]:
     _bounded(req)
     kind = req.WhichOneof("prompt")
     if kind == "token_ids":
@@ -54,11 +57,11 @@ def prompt_of(req: router_pb2.GenerateRequest, cfg, tokenizer) -> list[int]:
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"model {cfg.name} has no tokenizer: send token_ids")
     if kind == "text":
         return tokenizer.encode(req.text) if req.text else []
-    msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+    msgs = tools.messages(req.chat)
     if not msgs:
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the chat has no messages")
     try:
-        return tokenizer.encode_chat(msgs)  # special-token text inside a message stays plain text
+        return tokenizer.encode_chat(msgs, tools=plan.tools if plan else None)  # special-token text stays plain
     except Exception as e:  # noqa: BLE001  (template errors are the user's)
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot render the chat: {e}") from None
 
@@ -71,15 +74,29 @@ MAX_ID_CHARS = 256  # request_id and session_id: labels, bounded
 OFF_LOOP_CHARS = 4096
 
 
-async def read(r: Request, req: router_pb2.GenerateRequest, cfg, tokenizer, handoff: str) -> None:
+async def read(r: Request, req: router_pb2.GenerateRequest, cfg, tokenizer, handoff: str,
+               tool_parser: str = "") -> None:
     """Fills `r` from `req` (its own random id; the client's request_id is its label), or raises Abort
-    (INVALID_ARGUMENT). `handoff`: `[router] handoff`, for a request that names no mode."""
-    chars = len(req.text) + sum(len(m.content) for m in req.chat.messages)
+    (INVALID_ARGUMENT). `handoff`: `[router] handoff`, for a request that names no mode;
+    `tool_parser`: `[router] tool_parser` ("": the one the chat template's markers name)."""
+    chat = req.WhichOneof("prompt") == "chat"
+    if chat and len(req.chat.tools_json) > tools.validate.MAX_TOOLS_BYTES:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tools hold {len(req.chat.tools_json)} bytes of JSON; at "
+                                                      f"most {tools.validate.MAX_TOOLS_BYTES} are accepted")
+    plan = tools.ToolPlan.read(req.chat, tokenizer, tool_parser) if chat and tokenizer is not None else None
+    chars = len(req.text) + sum(len(m.content) for m in req.chat.messages) + len(req.chat.tools_json)
     if chars > OFF_LOOP_CHARS:
-        prompt = await asyncio.to_thread(prompt_of, req, cfg, tokenizer)
+        prompt = await asyncio.to_thread(prompt_of, req, cfg, tokenizer, plan)
     else:
-        prompt = prompt_of(req, cfg, tokenizer)
+        prompt = prompt_of(req, cfg, tokenizer, plan)
     params = rpc.sampling_from_pb(req.sampling)
+    forced = plan.grammar(tokenizer) if plan is not None and plan.parses else None
+    if forced is not None:  # "required" or a named function: a grammar forces the call
+        if params.grammar is not None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a request that requires a tool call cannot also carry "
+                                                          "a grammar (response_format, regex or grammar)")
+        params = dataclasses.replace(params, grammar=GrammarSpec(forced.kind, forced.text))
+    r.tools = plan if plan is not None and plan.parses else None
     max_tokens = int(req.max_tokens)
     for name, value in (("request_id", req.request_id), ("session_id", req.session_id)):
         if len(value) > MAX_ID_CHARS or not value.isprintable():

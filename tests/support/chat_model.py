@@ -10,8 +10,9 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_model(path: str, tiny) -> None:
-    """The tiny model's weights as a GGUF with tests/support/gguf_factory.py's tokenizer plus a chat template."""
+def write_model(path: str, tiny, max_context: int | None = None) -> None:
+    """The tiny model's weights as a GGUF with tests/support/gguf_factory.py's tokenizer plus a chat
+    template; `max_context`: a longer context than the tiny model's 512 (a tools preamble is long)."""
     import gguf
 
     from tests.support import gguf_factory
@@ -24,6 +25,7 @@ def write_model(path: str, tiny) -> None:
     mp = pytest.MonkeyPatch()
     mp.setattr(gguf, "GGUFWriter", WithTemplate)
     try:
-        gguf_factory.write_llama_gguf(path, tiny.config, tiny.weights)
+        cfg = tiny.config if max_context is None else tiny.config.replace(max_context=max_context)
+        gguf_factory.write_llama_gguf(path, cfg, tiny.weights)
     finally:
         mp.undo()

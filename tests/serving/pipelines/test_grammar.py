@@ -14,6 +14,7 @@ import json
 import os
 import re
 
+import grpc
 import pytest
 
 from pddjax.engines.reference import ReferenceEngine
@@ -38,7 +39,7 @@ SEEDED = dict(temperature=0.9, top_p=0.95, seed=5)
 
 def make_stack(workdir: str) -> Stack:
     model = os.path.join(workdir, "tinychat.gguf")
-    write_model(model, load_model("tiny"))
+    write_model(model, load_model("tiny"), max_context=2048)  # room for a tools preamble
     stack = Stack({"model": model, "platform": "cpu", "engine": ENGINE,
                    "router": {"chunk_bytes": 4096, "handoff_threshold": 48}}, workdir)
     stack.model_path = model
@@ -121,3 +122,79 @@ def test_a_regex_and_a_lark_grammar_constrain_the_text(chat_client, chat_ref, ch
         assert re.fullmatch(pattern, r.text), r.text
         assert r.token_ids == chat_ref.generate(p, SamplingParams(grammar=spec), 60,
                                            tuple(chat_model.config.eos_token_ids)).token_ids
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def forced_grammar(chat_model, choice: str) -> GrammarSpec:
+    """The grammar the router forces for this tool_choice (hermes: the tiny chat model's template has no tools)."""
+    from serving.tool_calls.grammar import call_grammar
+    from serving.tool_calls.validate import check_tools
+
+    named = {"type": "function", "function": {"name": choice}} if choice not in ("required",) else choice
+    kind, text = call_grammar("hermes", [WEATHER, TIME], check_tools([WEATHER, TIME], named, False),
+                              chat_model.tokenizer.special_ids)
+    return GrammarSpec(kind, text)
+
+
+@pytest.mark.parametrize("pipeline,choice", [("pd-local", "required"), ("pd-cross", "get_weather"),
+                                             ("pdd", "required"), ("pdd", "get_time")])
+def test_a_required_tool_call_is_forced_parsed_and_exact_across_the_switch(stack, chat_client, chat_ref, chat_model,
+                                                                            pipeline, choice):
+    """tool_choice required / a named function: the grammar forces a call whose arguments
+    validate against the tool's schema, the router parses it (finish_reason tool_calls), and the
+    tokens equal the reference's under the same grammar; in pdd the switch falls inside the call."""
+    chat = [{"role": "user", "content": f"Weather or time? ({pipeline} {choice})"}]
+    req = make_request(chat=chat, max_tokens=300, pipeline=pipeline, tools=[WEATHER, TIME], tool_choice=choice,
+                       parallel_tool_calls=False, **SEEDED)  # one call, then the grammar ends
+    if pipeline == "pdd":
+        r = generate_switching_after(stack, chat_client, req, 8)
+        assert r.sources[0] == "relay" and r.sources[-1] == "main", r.usage
+    else:
+        r = chat_client.generate(req, timeout=240)
+    want = chat_ref.generate(r.prompt_ids, SamplingParams(**SEEDED, grammar=forced_grammar(chat_model, choice)), 300,
+                             tuple(chat_model.config.eos_token_ids))
+    assert r.token_ids == want.token_ids and r.finish_reason == "tool_calls", (r.text, r.finish_reason)
+    assert len(r.tool_calls) == 1 and r.text.strip() == "", (r.text, r.tool_calls)
+    for call in r.tool_calls:
+        assert call["id"].startswith("call_") and call["name"] in (("get_weather", "get_time") if choice == "required"
+                                                                     else (choice,))
+        args = json.loads(call["arguments"])
+        if call["name"] == "get_weather":
+            assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and len(args["city"]) <= 40
+        else:
+            assert set(args) == {"zone"} and len(args["zone"]) <= 8
+
+
+def test_tools_render_through_the_template_and_bad_tools_are_refused(chat_client, chat_model):
+    """Tools and a tool turn reach the prompt (the Hermes preamble, the call, the tool's answer);
+    malformed tools or messages are INVALID_ARGUMENT naming the part."""
+    chat = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "4 C, rain"}]
+    r = chat_client.generate(make_request(chat=chat, max_tokens=4, tools=[WEATHER], ignore_eos=True), timeout=120)
+    prompt = chat_model.tokenizer.decode(r.prompt_ids)
+    for part in ("<tools>", '"get_weather"', "<tool_call>", '"Oslo"', "<tool_response>", "4 C, rain"):
+        assert part in prompt, (part, prompt)
+    from serving.client import RouterError
+
+    bad = [({"tools": [{"type": "retrieval"}]}, 'tools[0].type must be "function"'),
+           ({"tools": [WEATHER], "tool_choice": "nothing_like_it"}, "tool_choice"),
+           ({"tool_choice": "required"}, "needs tools")]
+    for kw, words in bad:
+        with pytest.raises(RouterError) as e:
+            chat_client.generate(make_request(chat=chat[:1], max_tokens=4, **kw), timeout=60)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in str(e.value), str(e.value)
+    orphan = [chat[0], {"role": "tool", "tool_call_id": "call_9", "content": "x"}]
+    with pytest.raises(RouterError) as e:
+        chat_client.generate(make_request(chat=orphan, max_tokens=4, tools=[WEATHER]), timeout=60)
+    assert "answers no earlier assistant tool call" in str(e.value)

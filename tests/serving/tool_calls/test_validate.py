@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.openai.tool_calls.validate import MAX_TOOLS, ToolChoice, check_messages, check_tools
+from serving.tool_calls.validate import MAX_TOOLS, ToolChoice, check_messages, check_tools
 
 
 def tool(name="get_weather", **fn):

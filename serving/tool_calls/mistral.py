@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import secrets
 
-from serving.openai.tool_calls.marked import MarkedStream
-from serving.openai.tool_calls.stream import ALNUM, JsonScanner, loads
+from serving.tool_calls.marked import MarkedStream
+from serving.tool_calls.stream import ALNUM, JsonScanner, loads
 
 MARKER = "[TOOL_CALLS]"
 

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from serving.openai.tool_calls import parsers
-from serving.openai.tool_calls.stream import Parsed, ToolCall, collect, openai_call_id
+from serving.tool_calls import parsers
+from serving.tool_calls.stream import Parsed, ToolCall, collect, openai_call_id
 
 
 def counter():

@@ -10,9 +10,9 @@ import json
 import pytest
 
 from pddjax.model.meta import model_facts
-from serving.openai.tool_calls import parsers
-from serving.openai.tool_calls.grammar import call_grammar
-from serving.openai.tool_calls.validate import check_tools
+from serving.tool_calls import parsers
+from serving.tool_calls.grammar import call_grammar
+from serving.tool_calls.validate import check_tools
 
 UNIT = {"$ref": "#/$defs/Unit"}  # pydantic-style: resolved against the tool's own schema
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -15,7 +15,7 @@ In order (the first that applies):
 from __future__ import annotations
 
 from pddjax.model.chat_template import features
-from serving.openai.tool_calls.parsers import PARSERS
+from serving.tool_calls.parsers import PARSERS
 
 MARKERS = (("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3"), ("<tool_call>", "hermes"))
 ARCHITECTURES = (("mistral", "mistral"), ("mixtral", "mistral"), ("qwen", "hermes"), ("llama", "llama3"))

@@ -16,7 +16,7 @@ that, content passes as it comes.
 
 from __future__ import annotations
 
-from serving.openai.tool_calls.stream import CallStream, JsonScanner, loads
+from serving.tool_calls.stream import CallStream, JsonScanner, loads
 
 PYTHON_TAG = "<|python_tag|>"
 _START, _CALLS, _OBJECT, _CONTENT = "start", "calls", "object", "content"

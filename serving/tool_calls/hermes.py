@@ -16,8 +16,8 @@ markers special tokens, decode with special tokens kept.
 
 from __future__ import annotations
 
-from serving.openai.tool_calls.marked import MarkedStream
-from serving.openai.tool_calls.stream import loads
+from serving.tool_calls.marked import MarkedStream
+from serving.tool_calls.stream import loads
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -9,7 +9,7 @@ A malformed call's text goes to content exactly as written (each family says whe
 
 from __future__ import annotations
 
-from serving.openai.tool_calls.stream import CallStream, held_prefix
+from serving.tool_calls.stream import CallStream, held_prefix
 
 
 class MarkedStream(CallStream):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 
-from serving.openai.tool_calls.validate import ToolChoice
+from serving.tool_calls.validate import ToolChoice
 
 # the compact JSON of the families' templates (json.dumps' defaults)
 JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from pddjax.model.meta import model_facts
-from serving.openai.tool_calls.choose import choose
+from serving.tool_calls.choose import choose
 from tests.support.paths import FIXTURES
 
 USES_TOOLS = "{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}{{ messages[0].content }}"

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from serving.openai.tool_calls.hermes import HermesStream
-from serving.openai.tool_calls.llama3 import Llama3Stream
-from serving.openai.tool_calls.mistral import MistralStream
-from serving.openai.tool_calls.stream import CallStream, Parsed
+from serving.tool_calls.hermes import HermesStream
+from serving.tool_calls.llama3 import Llama3Stream
+from serving.tool_calls.mistral import MistralStream
+from serving.tool_calls.stream import CallStream, Parsed
 
 PARSERS: dict[str, type[CallStream]] = {"hermes": HermesStream, "llama3": Llama3Stream, "mistral": MistralStream}
 
