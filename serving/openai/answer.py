@@ -54,6 +54,7 @@ class Answer:
                  logprobs: bool = False):
         self.chat, self.rid, self.served, self.return_ids = chat, rid, served, return_ids
         self.logprobs = logprobs  # the request asked: every choice and token chunk carries them
+        self.index = 0  # the choice's index (n > 1: serving/openai/choices.py)
         self.lps: list = []  # common_pb2.TokenLogprob per token (the router's, with token texts)
         self.lp_offset = 0  # a completion's text_offset of the next token
         self.calls: dict[int, dict] = {}  # tool calls by index: {"id", "name", "arguments"} (the router's parse)
@@ -152,11 +153,11 @@ class Answer:
                      for _, c in sorted(self.calls.items())]
             message = (s.AssistantMessage(role="assistant", content=self.text or None, tool_calls=calls) if calls
                        else s.AssistantMessage(role="assistant", content=self.text))
-            choice = s.ChatChoice(index=0, message=message,
+            choice = s.ChatChoice(index=self.index, message=message,
                                   finish_reason=self.finish, logprobs=self._logprobs(self.lps),
                                   **self._ids(self.token_ids))
             return s.ChatCompletion(object="chat.completion", choices=[choice], **common)
-        choice = s.CompletionChoice(index=0, text=self.text, finish_reason=self.finish,
+        choice = s.CompletionChoice(index=self.index, text=self.text, finish_reason=self.finish,
                                     logprobs=self._logprobs(self.lps), **self._ids(self.token_ids))
         return s.Completion(object="text_completion", choices=[choice], **common)
 
@@ -182,10 +183,10 @@ class Answer:
                 delta.tool_calls = [{"index": c.index, **({"id": c.id, "type": "function"} if c.id else {}),
                                      "function": {**({"name": c.name} if c.id else {}), "arguments": c.arguments}}
                                     for c in calls]
-            choice = s.ChatChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=logprobs,
+            choice = s.ChatChunkChoice(index=self.index, delta=delta, finish_reason=finish, logprobs=logprobs,
                                        **(self._ids(ids) if not role else {}))
             return s.ChatCompletionChunk(object="chat.completion.chunk", choices=[choice], **head, **extra)
-        choice = s.CompletionChoice(index=0, text=text or "", finish_reason=finish, logprobs=logprobs,
+        choice = s.CompletionChoice(index=self.index, text=text or "", finish_reason=finish, logprobs=logprobs,
                                     **(self._ids(ids) if not role else {}))
         return s.Completion(object="text_completion", choices=[choice], **head, **extra)
 

@@ -35,7 +35,7 @@ from fastapi.responses import Response, StreamingResponse  # starlette's, re-exp
 from sse_starlette import ServerSentEvent
 
 from serving.gate import wait_set
-from serving.openai import errors, translate
+from serving.openai import choices, errors, translate
 from serving.openai.answer import Answer, Served
 from serving.openai.edge import BodyLimit
 from serving.openai.errors import OpenAIError, from_rpc
@@ -81,6 +81,11 @@ async def _unless_gone(request: Request, coro):
 async def _collect(messages, answer: Answer) -> None:
     async for msg in messages:
         answer.take(msg)
+
+
+async def _collect_n(fan, answers: list[Answer]) -> None:
+    async for i, msg in fan.messages():
+        answers[i].take(msg)
 
 
 class _Stream(StreamingResponse):
@@ -163,6 +168,9 @@ class Gateway:
                 raise OpenAIError(404, f"model {body.model!r} is not served here (this gateway serves "
                                        f"{self.served.name!r})", "invalid_request_error", "model", "model_not_found")
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            if (body.n or 1) > 1:
+                response, streaming = await self._complete_n(body, request, chat, rid, endpoint)
+                return response
             req = translate.generate_request(body, rid, request.headers.get("x-session-id"), self.default_max_tokens)
             answer = Answer(chat, rid, self.served, body.return_token_ids, self.cache_hits, req.sampling.logprobs)
             call = self.upstream.generate(req, request.headers.get("authorization"), self.deadline(body))
@@ -203,6 +211,40 @@ class Gateway:
                 call.cancel()
             if not streaming:
                 self._leave()
+
+    async def _complete_n(self, body, request: Request, chat: bool, rid: str, endpoint: str):
+        """n > 1 (serving/openai/choices.py) -> (the response, whether it streams: then the stream
+        ends the request's accounting when it closes)."""
+        reqs = choices.requests(body, rid, request.headers.get("x-session-id"), self.default_max_tokens)
+        answers = []
+        for i in range(len(reqs)):
+            answers.append(Answer(chat, rid, self.served, body.return_token_ids, self.cache_hits,
+                                  reqs[0].sampling.logprobs))
+            answers[-1].index = i
+        fan = choices.Fanout(self.upstream, reqs, request.headers.get("authorization"), self.deadline(body))
+        try:
+            await _unless_gone(request, fan.start())
+        except BaseException:
+            fan.cancel()
+            raise
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            outcome = {"code": CLIENT_GONE}
+
+            def closed():
+                fan.cancel()
+                self._leave()
+                self.metrics.answered(endpoint, outcome["code"])
+
+            events = choices.stream_events(fan, answers, include_usage, _event, DONE, outcome)
+            return _Stream(events, closed), True
+        try:
+            await _unless_gone(request, _collect_n(fan, answers))
+        finally:
+            fan.cancel()
+        self.metrics.answered(endpoint, 200)
+        return Response(choices.response(answers).model_dump_json(exclude_unset=True),
+                        media_type="application/json"), False
 
     def deadline(self, body: ChatCompletionRequest | CompletionRequest) -> float:
         """The request's deadline in seconds: the client's, else the default, at most MAX_REQUEST_TIMEOUT_S."""

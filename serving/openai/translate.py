@@ -22,7 +22,8 @@
   last two forced by a grammar), `parallel_tool_calls`, assistant `tool_calls` and "tool"
   messages, checked here and passed to the router, which renders them through the model's chat
   template and parses the calls out of the output (serving/router/tools.py);
-- n other than 1, echo, suffix and best_of are refused by name (400): pddjax does not
+- n (1..MAX_N): n choices, each its own router request (serving/openai/choices.py);
+- echo, suffix and best_of are refused by name (400): pddjax does not
   serve them, and silently ignoring them would mislead. A value out of range is a 400 naming
   its field, before anything is sent to the router.
 The response id (`chatcmpl-...` / `cmpl-...`) is the router's request_id label, so both logs
@@ -42,13 +43,14 @@ from serving.openai.schemas import UINT32, ChatCompletionRequest, CompletionRequ
 from serving.pb import common_pb2, router_pb2
 from serving.tool_calls import validate
 
+MAX_N = 16  # choices per request (serving/openai/choices.py)
 SEEDS = 1 << 31  # pddjax.model.sampling_params: seeds in [0, 2^31)
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
-    if body.n not in (None, 1):
-        raise invalid(f"n must be 1 (pddjax returns one choice per request), got {body.n}", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise invalid(f"n must be in [1, {MAX_N}], got {body.n}", "n")
     if not isinstance(body, ChatCompletionRequest):
         if body.echo:
             raise invalid("echo is not supported", "echo")

@@ -395,6 +395,30 @@ def test_bad_tools_are_400_naming_the_part(oai):
         assert err["param"] == param and words in err["message"], err
 
 
+def test_n_choices_each_with_its_seed_sharing_the_prompt(oai, router):
+    """n = 3: choice i is the router's answer with seed + i; usage counts the prompt once and
+    every choice's tokens; streamed, the choices interleave by index and choices 1 and 2 find
+    the prompt in P's prefix cache (its full pages shared, not prefilled three times)."""
+    msgs = [{"role": "user", "content": "Three different short answers, please, about the sea and its tides."}]
+    want = [router.generate(make_request(chat=msgs, max_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.95,
+                                         seed=7 + i), timeout=120) for i in range(3)]
+    kw = dict(model="tinychat", messages=msgs, max_tokens=8, n=3, extra_body={"ignore_eos": True}, **SEEDED)
+    r = oai.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [w.text for w in want]
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(want[0].prompt_ids)
+    chunks = list(oai.chat.completions.create(stream=True, **{**kw, "messages": [
+        {"role": "user", "content": "Another three, about rivers and the rain that feeds them."}]}))
+    texts, ends = {}, {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason:
+                ends[ch.index] = c.pddjax
+    assert set(texts) == set(ends) == {0, 1, 2}
+    assert ends[0]["cached_on_prefill"] == 0 and all(ends[i]["cached_on_prefill"] >= 16 for i in (1, 2)), ends
+
+
 def test_second_turn_usage_and_cached_tokens(up, oai):
     """A session's two turns (named by the x-session-id header): turn 2 re-sends turn 1's prompt
     and answer; P's prefix cache supplies turn 1's prompt (cached_tokens, full 16-token pages),
@@ -443,7 +467,7 @@ def shape(e: openai.APIStatusError) -> dict:
 
 
 @pytest.mark.parametrize("kw, param, words", [
-    (dict(n=2), "n", "n must be 1"),
+    (dict(n=17), "n", "n must be in [1, 16]"),
     (dict(temperature=-1), "temperature", "greater than or equal to 0"),
     (dict(extra_body={"seed": -1}), "seed", "seed must be in"),
     (dict(extra_body={"stop_token_ids": [9999]}), None, "outside the vocabulary"),  # the router's sentence
