@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from pddjax import env
+
 KINDS = ("orbax", "flat", "numpy")
 
 
@@ -47,7 +49,7 @@ def orbax_restore(root: str, names: list[str]) -> dict:
 
 def child(kind: str, scratch: str, fingerprint: str) -> dict:
     """One restore of `kind` in this (fresh) process: import and restore seconds, memory."""
-    os.environ["PDDJAX_CACHE_DIR"] = os.path.join(scratch, "cache")
+    os.environ[env.CACHE_DIR.name] = os.path.join(scratch, "cache")
     t0 = time.perf_counter()
     import numpy as np
 
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(args.child, args.scratch, args.fingerprint)))
         return 0
     scratch = tempfile.mkdtemp(prefix="pddjax-wcache-")
-    os.environ["PDDJAX_CACHE_DIR"] = os.path.join(scratch, "cache")
+    os.environ[env.CACHE_DIR.name] = os.path.join(scratch, "cache")
     try:
         from pddjax.model import checkpoint_cache
         from pddjax.model import weights as wmod
