@@ -63,6 +63,7 @@ def run(args) -> int:
     from pddjax.model.gguf_meta import GGUFError
     from pddjax.model.registry import ModelNotFound, load_model
     from pddjax.model.sampling_params import SamplingParams
+    from serving.engine.grammars import compiler_for
 
     try:
         model = load_model(args.model)
@@ -79,8 +80,9 @@ def run(args) -> int:
     pages = (max(batches) + 2) * (-(-per_seq // args.page_size))
     ecfg = EngineConfig(dtype=args.dtype, page_size=args.page_size, num_pages=pages + 1, attention=impl,
                         max_step_tokens=512, max_rows=max(max(batches), 1), tensor_parallel=args.tensor_parallel)
+    grammar = compiler_for(model)  # None for `tiny` (no tokenizer): no constrained column
     try:
-        eng = PagedEngine(cfg, model.weights, model.fingerprint, ecfg)
+        eng = PagedEngine(cfg, model.weights, model.fingerprint, ecfg, grammar=grammar)
     except ValueError as e:  # a degree the model does not admit, or too few devices
         raise UserError(str(e)) from None
     collective_shapes = {}  # "decode" / "extend" -> the step shape whose HLO is counted
@@ -109,6 +111,8 @@ def run(args) -> int:
         figures["decode_ms"][str(b)] = _median_ms(eng.step, args.repeats)
         for i in ids:
             eng.release(i, cache=False)
+    if grammar is not None:
+        _constrained(figures, eng, grammar, batches, prompt, prefill_all, decode_budget, args.repeats)
     base = prompt(CONTEXT)  # extend rows sit on a cached 256-token context
     for k in extends:
         sid = f"e{k}"
@@ -168,3 +172,45 @@ def _collectives(eng, shape) -> dict:
                                impl=eng.config.attention, layout=eng.layout)
     counts = hlo_collectives.count(compiled.as_text())
     return {kind: n for kind, n in counts.items() if n["static"]}
+
+
+SCHEMA_PROPERTIES = 20  # the issue's "schema of 20 properties"
+
+
+def _schema(tag: str) -> dict:
+    kinds = ("string", "integer", "boolean")
+    props = {f"{tag}_{i}": {"type": kinds[i % 3]} for i in range(SCHEMA_PROPERTIES)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def _constrained(figures, eng, grammar, batches, prompt, prefill_all, budget: int, repeats: int) -> None:
+    """The grammar's cost: a fresh 20-property schema's compile (ms), and each batch's decode step
+    with every row under that schema (its rows cannot close before 20 fields), measured between
+    two plain ones of the same batch (`constrained_over_plain`: against their mean)."""
+    from pddjax.grammar.spec import GrammarSpec
+    from pddjax.model.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    spec = GrammarSpec.json_schema(_schema(f"f{int(t0 * 1e6) % 10**6}"))  # a name never compiled before
+    grammar.compile(spec)
+    figures["grammar_compile_ms"] = round(1e3 * (time.perf_counter() - t0), 2)
+    figures["constrained_decode_ms"], figures["plain_decode_ms"], figures["constrained_over_plain"] = {}, {}, {}
+
+    def decode_ms(b: int, params, tag: str) -> float:
+        ids = [f"{tag}{b}-{i}" for i in range(b)]
+        for i in ids:
+            eng.add(i, prompt(CONTEXT), params, budget, ())
+        prefill_all(ids)
+        eng.step()
+        ms = _median_ms(eng.step, repeats)
+        for i in ids:
+            if i in eng.seqs:
+                eng.release(i, cache=False)
+        return ms
+
+    for b in batches:  # plain, constrained, plain: side by side, the ratio against the plain pair's mean
+        plain = [decode_ms(b, SamplingParams(), "p")]
+        figures["constrained_decode_ms"][str(b)] = ms = decode_ms(b, SamplingParams(grammar=spec), "g")
+        plain.append(decode_ms(b, SamplingParams(), "q"))
+        figures["plain_decode_ms"][str(b)] = round(statistics.mean(plain), 2)
+        figures["constrained_over_plain"][str(b)] = round(ms / statistics.mean(plain), 3)

@@ -1,0 +1,41 @@
+"""`pddjax bench engine`'s constrained column on the tiny model (its tokenizer from
+tests/grammar/tiny_vocab.py): a fresh 20-property schema is compiled and timed, each batch's
+decode step runs with every row under it between two plain ones, and nothing compiles."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pddjax.engines.engine_config import EngineConfig
+from pddjax.engines.paged_engine import PagedEngine
+from pddjax.engines.step import compile_count
+from serving.cli import bench_engine
+from tests.grammar.tiny_vocab import compiler
+
+
+def test_the_constrained_column_times_a_schema_and_a_masked_decode(tiny):
+    eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint,
+                      EngineConfig(page_size=16, num_pages=256, max_step_tokens=512, max_rows=4), grammar=compiler())
+    eng.precompile()
+    rng = np.random.default_rng(0)
+
+    def prompt(n):
+        return rng.integers(3, 300, n).tolist()
+
+    def prefill_all(ids):
+        while eng.has_work() and any(not eng.seqs[i].generated for i in ids):
+            eng.step()
+
+    figures = {}
+    before = compile_count()
+    bench_engine._constrained(figures, eng, eng.grammar, [1, 4], prompt, prefill_all, 40, 3)
+    assert compile_count() == before  # the mask is in every stated shape
+    assert 0 < figures["grammar_compile_ms"] < 5000
+    for b in ("1", "4"):
+        assert figures["constrained_decode_ms"][b] > 0 and figures["plain_decode_ms"][b] > 0
+        ratio = figures["constrained_decode_ms"][b] / figures["plain_decode_ms"][b]
+        assert abs(figures["constrained_over_plain"][b] - ratio) < 1e-2
+    assert not eng.seqs  # every row released
+    eng.check_integrity()
+    schema = bench_engine._schema("x")
+    assert len(schema["properties"]) == bench_engine.SCHEMA_PROPERTIES == len(schema["required"])
