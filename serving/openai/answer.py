@@ -130,9 +130,11 @@ class Answer:
             return None
         if self.chat:
             return s.ChatLogprobs(content=[s.TokenLogprob(
-                token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
-                top_logprobs=[s.TopLogprob(token=t, logprob=v, bytes=list(t.encode()))
-                              for t, v in zip(lp.top_tokens, lp.top_logprobs)]) for lp in lps])
+                token=lp.token, logprob=lp.logprob, bytes=list(lp.token_bytes or lp.token.encode()),
+                top_logprobs=[s.TopLogprob(token=t, logprob=v, bytes=list(raw or t.encode()))
+                              for t, v, raw in zip(lp.top_tokens, lp.top_logprobs,
+                                                   lp.top_token_bytes or [b""] * len(lp.top_tokens))])
+                for lp in lps])
         offsets = []
         for lp in lps:
             offsets.append(self.lp_offset)

@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pddjax/v1/common.proto\x12\tpddjax.v1\"\x93\x02\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\r\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12(\n\nlogit_bias\x18\x08 \x03(\x0b\x32\x14.pddjax.v1.LogitBias\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12#\n\x07grammar\x18\x0b \x01(\x0b\x32\x12.pddjax.v1.Grammar\"%\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"i\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\r\n\x05token\x18\x04 \x01(\t\x12\x12\n\ntop_tokens\x18\x05 \x03(\t*M\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0e\n\nROLE_RELAY\x10\x02\x12\r\n\tROLE_MAIN\x10\x03*]\n\x08Pipeline\x12\x11\n\rPIPELINE_AUTO\x10\x00\x12\x10\n\x0cPIPELINE_PDD\x10\x01\x12\x15\n\x11PIPELINE_PD_CROSS\x10\x02\x12\x15\n\x11PIPELINE_PD_LOCAL\x10\x03*`\n\x0bHandoffMode\x12\x1c\n\x18HANDOFF_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15HANDOFF_MODE_ONE_SHOT\x10\x01\x12\x18\n\x14HANDOFF_MODE_CHUNKED\x10\x02*\x9a\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pddjax/v1/common.proto\x12\tpddjax.v1\"\x93\x02\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\r\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12(\n\nlogit_bias\x18\x08 \x03(\x0b\x32\x14.pddjax.v1.LogitBias\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12#\n\x07grammar\x18\x0b \x01(\x0b\x32\x12.pddjax.v1.Grammar\"%\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\x97\x01\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\r\n\x05token\x18\x04 \x01(\t\x12\x12\n\ntop_tokens\x18\x05 \x03(\t\x12\x13\n\x0btoken_bytes\x18\x06 \x01(\x0c\x12\x17\n\x0ftop_token_bytes\x18\x07 \x03(\x0c*M\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0e\n\nROLE_RELAY\x10\x02\x12\r\n\tROLE_MAIN\x10\x03*]\n\x08Pipeline\x12\x11\n\rPIPELINE_AUTO\x10\x00\x12\x10\n\x0cPIPELINE_PDD\x10\x01\x12\x15\n\x11PIPELINE_PD_CROSS\x10\x02\x12\x15\n\x11PIPELINE_PD_LOCAL\x10\x03*`\n\x0bHandoffMode\x12\x1c\n\x18HANDOFF_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15HANDOFF_MODE_ONE_SHOT\x10\x01\x12\x18\n\x14HANDOFF_MODE_CHUNKED\x10\x02*\x9a\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pddjax.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=506
-  _globals['_ROLE']._serialized_end=583
-  _globals['_PIPELINE']._serialized_start=585
-  _globals['_PIPELINE']._serialized_end=678
-  _globals['_HANDOFFMODE']._serialized_start=680
-  _globals['_HANDOFFMODE']._serialized_end=776
-  _globals['_FINISHREASON']._serialized_start=779
-  _globals['_FINISHREASON']._serialized_end=933
+  _globals['_ROLE']._serialized_start=553
+  _globals['_ROLE']._serialized_end=630
+  _globals['_PIPELINE']._serialized_start=632
+  _globals['_PIPELINE']._serialized_end=725
+  _globals['_HANDOFFMODE']._serialized_start=727
+  _globals['_HANDOFFMODE']._serialized_end=823
+  _globals['_FINISHREASON']._serialized_start=826
+  _globals['_FINISHREASON']._serialized_end=980
   _globals['_SAMPLING']._serialized_start=38
   _globals['_SAMPLING']._serialized_end=313
   _globals['_GRAMMAR']._serialized_start=315
   _globals['_GRAMMAR']._serialized_end=352
   _globals['_LOGITBIAS']._serialized_start=354
   _globals['_LOGITBIAS']._serialized_end=397
-  _globals['_TOKENLOGPROB']._serialized_start=399
-  _globals['_TOKENLOGPROB']._serialized_end=504
+  _globals['_TOKENLOGPROB']._serialized_start=400
+  _globals['_TOKENLOGPROB']._serialized_end=551
 # @@protoc_insertion_point(module_scope)

@@ -48,7 +48,7 @@ import grpc
 
 from serving.config import RouterSettings
 from serving.pb import cluster_pb2, router_pb2, router_pb2_grpc
-from serving.router import pools, validate
+from serving.router import pools, token_bytes, validate
 from serving.router.admission import Admission, Deadline, Refused
 from serving.router.choose import Chooser
 from serving.router.estimates import Estimates
@@ -93,6 +93,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                                           self.s.health_timeout_s, self.counters, self._on_back))
         for inst in self.pools["main"].instances:  # the links' first measurement, before any request
             self._on_back(inst)
+        if self.tok is not None:  # logprobs' exact token bytes, built off the event loop
+            self._token_bytes = loop.run_in_executor(None, token_bytes.build, self.tok)
 
     def _on_back(self, inst: pools.Instance) -> None:
         """An MD at start or back in the rotation: its link is probed again (background)."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from serving.pb import cluster_pb2, common_pb2, router_pb2
+from serving.router import token_bytes
 from serving.router.detok import IncrementalText
 from serving.router.request import PIPELINE_NAMES, Abort, Request
 from serving.router.request_state import State
@@ -138,9 +139,13 @@ class Output:
         msg = router_pb2.GenerateResponse(request_id=self.r.label, token_ids=new, sources=[source] * len(new),
                                           text=delta, logprobs=lps, tool_calls=calls)
         if lps and self.tokenizer is not None:
+            exact = token_bytes.get(self.tokenizer)  # None until built (token_bytes.build, at the router's start)
             for tok, lp in zip(new, msg.logprobs):
                 lp.token = self._text(tok)
                 lp.top_tokens.extend(self._text(t) for t in lp.top_ids)
+                if exact is not None:
+                    lp.token_bytes = exact([tok])
+                    lp.top_token_bytes.extend(exact([t]) for t in lp.top_ids)
         if stop or finish:
             msg.finish_reason = common_pb2.FINISH_REASON_STOP if stop else finish
             if self.tools is not None and self.tools.called and msg.finish_reason == common_pb2.FINISH_REASON_STOP:

@@ -232,8 +232,9 @@ def test_chat_logprobs_and_penalties_equal_router(up, oai, router, stream):
         toks, text, content = r.choices[0].token_ids, r.choices[0].message.content, r.choices[0].logprobs.content
     assert toks == want.token_ids and text == want.text and 40 not in toks
     assert len(content) == len(toks) == len(want.logprobs)
+    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace") == text  # exact bytes: the text
     for c, (wlp, wtop) in zip(content, want.logprobs):
-        assert bytes(c.bytes) == c.token.encode() and len(c.top_logprobs) == 3
+        assert len(c.top_logprobs) == 3 and all(a.bytes for a in c.top_logprobs)
         assert abs(c.logprob - wlp) < 1e-6
         assert all(abs(a.logprob - w) < 1e-6 for a, (_, w) in zip(c.top_logprobs, wtop))
         assert c.top_logprobs[0].logprob >= c.logprob - 1e-6  # the most likely first
