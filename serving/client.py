@@ -10,6 +10,8 @@ import time
 import grpc
 
 from pddjax.addresses import host_of, is_loopback
+from pddjax.grammar.spec import GrammarSpec
+from pddjax.model.sampling_params import SamplingParams
 from serving import rpc
 from serving.pb import common_pb2, router_pb2, router_pb2_grpc
 
@@ -62,14 +64,10 @@ def make_request(prompt_ids=None, text=None, chat=None, *, max_tokens=16, temper
                  parallel_tool_calls=True) -> router_pb2.GenerateRequest:
     """A GenerateRequest; `logit_bias`: (token id, bias) pairs or a mapping of them; `grammar`:
     (kind, text), e.g. ("json_schema", '{"type": "object"}') or ("regex", "[a-z]+")."""
-    bias = logit_bias.items() if isinstance(logit_bias, dict) else logit_bias
-    sampling = common_pb2.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                   repetition_penalty=repetition_penalty,
-                                   logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in bias],
-                                   logprobs=logprobs, top_logprobs=top_logprobs)
-    if grammar is not None:
-        sampling.grammar.kind, sampling.grammar.text = grammar
+    sampling = rpc.sampling_to_pb(SamplingParams(
+        temperature, top_k, top_p, seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty, logit_bias=logit_bias, logprobs=logprobs, top_logprobs=top_logprobs,
+        grammar=None if grammar is None else GrammarSpec(*grammar)))  # not validated: the router checks
     req = router_pb2.GenerateRequest(
         request_id=request_id, session_id=session_id, max_tokens=max_tokens, sampling=sampling,
         stop_token_ids=list(stop_ids), stop_strings=list(stop_strings), pipeline=PIPELINES[pipeline],
@@ -87,6 +85,15 @@ def make_request(prompt_ids=None, text=None, chat=None, *, max_tokens=16, temper
     else:
         req.text = text
     return req
+
+
+def join_tool_calls(calls: dict[int, dict], deltas) -> None:
+    """ToolCallDeltas into `calls` (index -> {"id", "name", "arguments"}): a call's id and name
+    from its first delta, its arguments' pieces joined."""
+    for c in deltas:
+        call = calls.setdefault(c.index, {"id": "", "name": "", "arguments": ""})
+        call["id"], call["name"] = c.id or call["id"], c.name or call["name"]
+        call["arguments"] += c.arguments
 
 
 class Client:
@@ -146,10 +153,7 @@ class Client:
                 srcs += [_SOURCES.get(s, "?") for s in msg.sources]
                 text += msg.text
                 lps += [(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in msg.logprobs]
-                for c in msg.tool_calls:
-                    call = calls.setdefault(c.index, {"id": "", "name": "", "arguments": ""})
-                    call["id"], call["name"] = c.id or call["id"], c.name or call["name"]
-                    call["arguments"] += c.arguments
+                join_tool_calls(calls, msg.tool_calls)
                 last = msg
         except grpc.RpcError as e:
             raise RouterError(e.code(), e.details()) from None

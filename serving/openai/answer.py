@@ -24,6 +24,7 @@ import dataclasses
 import json
 import time
 
+from serving.client import join_tool_calls
 from serving.openai import schemas as s
 from serving.pb import common_pb2, router_pb2
 
@@ -77,10 +78,7 @@ class Answer:
                 msg.prompt_token_ids)
         self.token_ids += msg.token_ids
         self.lps += msg.logprobs
-        for c in msg.tool_calls:
-            call = self.calls.setdefault(c.index, {"id": "", "name": "", "arguments": ""})
-            call["id"], call["name"] = c.id or call["id"], c.name or call["name"]
-            call["arguments"] += c.arguments
+        join_tool_calls(self.calls, msg.tool_calls)
         for src in msg.sources:
             if src == common_pb2.ROLE_RELAY:
                 self.relay_tokens += 1
@@ -191,6 +189,16 @@ class Answer:
         choice = s.CompletionChoice(index=self.index, text=text or "", finish_reason=finish, logprobs=logprobs,
                                     **(self._ids(ids) if not role else {}))
         return s.Completion(object="text_completion", choices=[choice], **head, **extra)
+
+    def message_chunk_json(self, msg: router_pb2.GenerateResponse, usage_null: bool) -> str:
+        """The chunk of one router message that carries tokens, text or tool calls: from the
+        per-request template, unless it carries logprobs or calls (then built whole)."""
+        src = msg.sources[0] if msg.sources else 0
+        if not self.logprobs and not msg.tool_calls:
+            return self.token_chunk_json(msg.text, msg.token_ids, usage_null, src)
+        return self.chunk(msg.text if msg.text or not msg.tool_calls else None, msg.token_ids, usage_null=usage_null,
+                          source=src, lps=msg.logprobs if self.logprobs else None,
+                          calls=msg.tool_calls).model_dump_json(exclude_unset=True)
 
     def token_chunk_json(self, text: str, ids, usage_null: bool = False, source: int = 0) -> str:
         """`chunk(text, ids, usage_null=, source=)` as JSON (exclude_unset), without building a

@@ -264,14 +264,7 @@ class Gateway:
                     timer.tokens(len(msg.token_ids))
                     if answer.gateway_ttft_ms is None:
                         answer.gateway_ttft_ms = round(1e3 * (time.perf_counter() - t0), 2)
-                    src = msg.sources[0] if msg.sources else 0
-                    if answer.logprobs or msg.tool_calls:  # each chunk its logprobs or calls: built whole
-                        yield _event(answer.chunk(msg.text if msg.text or not msg.tool_calls else None, msg.token_ids,
-                                                  usage_null=include_usage, source=src,
-                                                  lps=msg.logprobs if answer.logprobs else None,
-                                                  calls=msg.tool_calls).model_dump_json(**dump))
-                    else:
-                        yield _event(answer.token_chunk_json(msg.text, msg.token_ids, include_usage, src))
+                    yield _event(answer.message_chunk_json(msg, include_usage))
         except grpc.aio.AioRpcError as e:
             err = from_rpc(e)
             outcome["code"] = err.status

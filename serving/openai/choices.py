@@ -117,10 +117,7 @@ async def stream_events(fan: Fanout, answers: list[Answer], include_usage: bool,
             if a.gateway_ttft_ms is None and msg.token_ids:
                 a.gateway_ttft_ms = round(1e3 * (time.perf_counter() - t0), 2)
             if msg.token_ids or msg.text or msg.tool_calls:
-                yield event(a.chunk(msg.text if msg.text or not msg.tool_calls else None, msg.token_ids,
-                                    usage_null=include_usage, source=msg.sources[0] if msg.sources else 0,
-                                    lps=msg.logprobs if a.logprobs else None,
-                                    calls=msg.tool_calls).model_dump_json(**dump))
+                yield event(a.message_chunk_json(msg, include_usage))
             if msg.finish_reason:
                 yield event(a.chunk(None, finish=a.finish or "stop", usage_null=include_usage).model_dump_json(**dump))
     except grpc.aio.AioRpcError as e:

@@ -37,6 +37,7 @@ import secrets
 
 from pddjax.grammar.spec import GrammarSpec
 from pddjax.model.sampling_params import SamplingParams
+from serving import rpc
 from serving.client import HANDOFFS, PIPELINES
 from serving.openai.errors import invalid
 from serving.openai.schemas import UINT32, ChatCompletionRequest, CompletionRequest
@@ -146,7 +147,7 @@ def _bias(body) -> dict[int, float]:
     return out
 
 
-def grammar(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.Grammar | None:
+def grammar(body: ChatCompletionRequest | CompletionRequest) -> GrammarSpec | None:
     """The output's language: `response_format` json_object / json_schema, or the `regex` /
     `grammar` (Lark) extension; at most one of them. Its form is checked here (400 naming the
     field); what the grammar engine refuses, the first tier says (the router's 400)."""
@@ -179,7 +180,7 @@ def grammar(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.Gramm
         spec.validate()
     except ValueError as e:
         raise invalid(str(e), field) from None
-    return common_pb2.Grammar(kind=spec.kind, text=spec.text)
+    return spec
 
 
 def sampling(body: ChatCompletionRequest | CompletionRequest, temperature: float, seed: int) -> common_pb2.Sampling:
@@ -189,17 +190,13 @@ def sampling(body: ChatCompletionRequest | CompletionRequest, temperature: float
                             presence_penalty=body.presence_penalty or 0.0,
                             frequency_penalty=body.frequency_penalty or 0.0,
                             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                            logit_bias=_bias(body), logprobs=logprobs, top_logprobs=top)
+                            logit_bias=_bias(body), logprobs=logprobs, top_logprobs=top, grammar=grammar(body))
     try:
         params.validate()
     except ValueError as e:
         field = next((f for f in SAMPLING_FIELDS if str(e).startswith(f)), None)
         raise invalid(str(e), field) from None
-    return common_pb2.Sampling(temperature=temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
-                               presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-                               repetition_penalty=params.repetition_penalty,
-                               logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
-                               logprobs=logprobs, top_logprobs=top, grammar=grammar(body))
+    return rpc.sampling_to_pb(params)
 
 
 def generate_request(body: ChatCompletionRequest | CompletionRequest, request_id: str, session_header: str | None,

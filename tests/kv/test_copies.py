@@ -4,8 +4,11 @@ whatever the bucket, and no executable dropped by `jax.clear_caches()`."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
+import pytest
 
 from pddjax.kv import canonical, copies
 from pddjax.kv.pool import KVPool
@@ -57,18 +60,10 @@ def test_the_broken_count_is_caught():
     held = copies.Copies()
     held.build(copies.abstract(filled_pool(43)), 16)
     held.built += 1
-    try:
+    with pytest.raises(AssertionError, match=re.escape("2 KV copy pairs built (0 behind), 1 held")):
         held.check_integrity()
-    except AssertionError as e:
-        assert "2 KV copy pairs built (0 behind), 1 held" in str(e)
-    else:
-        raise AssertionError("a miscounted copies table passed its check")
     held.built -= 1
     held.check_integrity()
     held.built_behind = 2  # more built behind than built at all
-    try:
+    with pytest.raises(AssertionError, match=re.escape("1 KV copy pairs built (2 behind), 1 held")):
         held.check_integrity()
-    except AssertionError as e:
-        assert "1 KV copy pairs built (2 behind), 1 held" in str(e)
-    else:
-        raise AssertionError("a background count above the total passed its check")
