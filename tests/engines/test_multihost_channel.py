@@ -105,6 +105,7 @@ def test_a_follower_without_the_key_is_refused_and_the_real_one_gets_in():
     acc = Accepting()
     with pytest.raises(ConnectionError):
         dial_leader("127.0.0.1", acc.port, 1, bytes(16), None, timeout=0.4)
+    assert acc.refused(within=2.0), "the leader did not record the refusal"  # (recorded after the cut)
     assert acc.result is None and acc.thread.is_alive()
     assert any("does not hold this instance's key" in r for r in acc.refusals), acc.refusals
     sock = dial_leader("127.0.0.1", acc.port, 1, KEY, None, timeout=5)
