@@ -40,6 +40,8 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
                               # max_deadline_s = 1800: a longer one (gRPC's or the gateway's) is cut to it;
                               # sync_timeout_s = 120, max_sync_waiting = 64: background context syncs
                               # relay_kv_wire = the KV wire format of P -> RLD (default "native")
+                              # stream_interval = 1 token per user message, stream_interval_ms = 0
+                              # (the longest a ready token waits; 0: no bound); a request may ask coarser
     [wan]                     # mbps (0 = unlimited), latency_ms  (pddjax up's A -> B link);
                               # kv_wire = the KV wire format of P -> MD over the WAN: native | bf16 |
                               # int8 | fp8, each optionally "+zstd" (pddjax/kv/codec.py; default
@@ -67,6 +69,7 @@ ENGINE_ROLES = ("prefill", "relay", "main")
 ROLES = (*ENGINE_ROLES, "router")
 ENGINE_KEYS = frozenset(f.name for f in dataclasses.fields(EngineConfig))  # a role's engine table
 _POLICY = PolicyConfig()  # the auto policy's defaults live there once
+MAX_STREAM_INTERVAL, MAX_STREAM_INTERVAL_MS = 1024, 60_000  # [router] and per request (serving/router/interval.py)
 DEFAULT_STACK = "default_stack.toml"  # package data of `serving` (pyproject.toml): `pddjax up` without --config
 
 
@@ -102,6 +105,8 @@ class RouterSettings:
     max_sync_waiting: int = 64  # syncs queued behind the one running; past it a new one is dropped (counted)
     kv_wire: str = "native"  # KV wire format P -> MD (the WAN; `[wan] kv_wire`), pddjax.kv.codec.FORMATS
     relay_kv_wire: str = "native"  # KV wire format P -> RLD (the fast link)
+    stream_interval: int = 1  # tokens per user message (1..1024; a request may ask coarser only)
+    stream_interval_ms: float = 0.0  # the longest a ready token waits before it is sent (0: no time bound)
 
     def __post_init__(self):
         for f in ("prefill", "relay", "main", "main_wan", "relay_kv"):
@@ -120,6 +125,11 @@ class RouterSettings:
         if int(self.max_inflight) < 1 or int(self.max_queue) < 0:
             raise UserError(f"[router] max_inflight must be >= 1 and max_queue >= 0, "
                             f"got {self.max_inflight} and {self.max_queue}")
+        if not (1 <= int(self.stream_interval) <= MAX_STREAM_INTERVAL
+                and 0 <= float(self.stream_interval_ms) <= MAX_STREAM_INTERVAL_MS):
+            raise UserError(f"[router] stream_interval must be in 1..{MAX_STREAM_INTERVAL} tokens and "
+                            f"stream_interval_ms in 0..{MAX_STREAM_INTERVAL_MS}, got {self.stream_interval} "
+                            f"and {self.stream_interval_ms}")
         for key in ("kv_wire", "relay_kv_wire"):
             if getattr(self, key) not in KV_WIRE_FORMATS:
                 raise UserError(f"{'[wan] kv_wire' if key == 'kv_wire' else '[router] relay_kv_wire'} must be one of "

@@ -2,7 +2,8 @@
 
 Requests: `ChatCompletionRequest` (POST /v1/chat/completions) and `CompletionRequest` (POST
 /v1/completions), the OpenAI fields plus pddjax's extensions (`top_k`, `pipeline`, `handoff`,
-`session_id`, `ignore_eos`, `stop_token_ids`, `return_token_ids`, `request_timeout`). Fields
+`session_id`, `ignore_eos`, `stop_token_ids`, `return_token_ids`, `request_timeout`, `stream_interval`,
+`stream_interval_ms`: the router's stream interval, serving/router/interval.py). Fields
 the OpenAI API has and pddjax does not serve (tools, n > 1, echo ...) are
 declared so `translate` can refuse them by name; other unknown fields are ignored. Sizes a
 caller controls are bounded before any per-item work (a list's length is checked before its
@@ -24,6 +25,7 @@ UINT32 = (1 << 32) - 1
 MAX_MESSAGES = 2048  # a chat's messages, and a message's content parts
 MAX_PROMPT_IDS = 1 << 18  # a completion's prompt ids (past any served context; the router checks the model's)
 MAX_STOP_IDS = 64  # as the router's
+MAX_STREAM_INTERVAL, MAX_STREAM_INTERVAL_MS = 1024, 60_000  # as the router's (serving/config.py)
 
 
 def _at_most(value, limit: int, what: str, count: int | None = None):
@@ -88,6 +90,8 @@ class _Sampling(_Body):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32)]] | None = Field(None, max_length=MAX_STOP_IDS)
     return_token_ids: bool = False  # per choice (and chunk) `token_ids`, top-level `prompt_token_ids`
     request_timeout: float | None = Field(None, gt=0)  # seconds: the router's deadline (504 past it)
+    stream_interval: int | None = Field(None, ge=1, le=MAX_STREAM_INTERVAL)  # tokens per chunk (coarser only)
+    stream_interval_ms: int | None = Field(None, ge=0, le=MAX_STREAM_INTERVAL_MS)  # a token's longest wait (0: none)
 
 
 class ChatCompletionRequest(_Sampling):

@@ -18,6 +18,8 @@
   extensions `regex` and `grammar` (a Lark grammar), one at a time: the tiers mask every token
   the language does not allow (pddjax/grammar), the first token included;
 - placement: `pipeline`, `handoff`, `session_id` (else the `x-session-id` header);
+- streaming: the `stream_interval` (tokens per chunk) and `stream_interval_ms` (a token's longest
+  wait, 0: none) extensions, the router's fields (coarser than its own only);
 - tools: `tools` (functions), `tool_choice` (none / auto / required / a named function: the
   last two forced by a grammar), `parallel_tool_calls`, assistant `tool_calls` and "tool"
   messages, checked here and passed to the router, which renders them through the model's chat
@@ -218,6 +220,10 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest, request_id
         max_tokens=max_tokens or default_max_tokens, stop_strings=[s for s in stops if s],
         stop_token_ids=body.stop_token_ids or [], pipeline=PIPELINES[body.pipeline or "auto"],
         handoff=HANDOFFS[body.handoff], ignore_eos=body.ignore_eos)
+    if body.stream_interval is not None:  # unset: the router's; coarser only (it raises a finer one)
+        req.stream_interval = body.stream_interval
+    if body.stream_interval_ms is not None:
+        req.stream_interval_ms = body.stream_interval_ms
     if isinstance(body, ChatCompletionRequest):
         req.chat.messages.extend(chat_messages(body))
         tools(body, req.chat)

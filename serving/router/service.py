@@ -164,7 +164,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self.admission.leave()
 
     async def _generate(self, req: router_pb2.GenerateRequest, r: Request):
-        await validate.read(r, req, self.cfg, self.tok, self.s.handoff, self.s.tool_parser)
+        await validate.read(r, req, self.cfg, self.tok, self.s.handoff, self.s.tool_parser,
+                            (int(self.s.stream_interval), float(self.s.stream_interval_ms)))
         r.advance(State.ADMISSION)
         await self.admission.enter(r.deadline)  # Refused (RESOURCE_EXHAUSTED) past max_inflight + max_queue
         r.advance(State.PLAN)  # holds the admission slot (`r.admitted`)

@@ -11,8 +11,9 @@
     checks every batch's position (no gap, duplicate or reorder), decodes text incrementally
     (`detok.IncrementalText`: an incomplete UTF-8 sequence and a possible stop string's start
     held back; stop strings end the stream), times tokens (TTFT, ITL, RLD's decode speed), and
-    puts usage and timings on the last message. The caller settles the
-    request when it gets that message, before passing it on.
+    puts usage and timings on the last message; `interval.Group` groups the messages per the
+    request's stream interval (the first tokens and the last message at once). The caller
+    settles the request when it gets that message, before passing it on.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import grpc
 from serving.pb import cluster_pb2, common_pb2, router_pb2
 from serving.router import token_bytes
 from serving.router.detok import IncrementalText
+from serving.router.interval import Group
 from serving.router.request import PIPELINE_NAMES, Abort, Request
 from serving.router.request_state import State
 from serving.router.tools import ToolText
@@ -62,6 +64,7 @@ class Output:
         self.tokenizer, self._texts = tokenizer, {}  # token id -> its text alone (logprobs' token strings)
         self.tools = ToolText(r.tools) if r.tools is not None else None  # tool calls read out of the text
         self.on_switch = on_switch
+        self.group = Group(*r.stream_interval)  # messages grouped per the stream interval
         self.ahead: list[int] | None = []  # MD's tokens while RLD is the source (None: MD disagreed or failed)
         self.ahead_lps: list = []  # their logprobs (when the request asked)
         self.ahead_at = 0  # output position of ahead[0]
@@ -80,10 +83,14 @@ class Output:
         token is at most about one interval away), or its lag costs at most SWITCH_WAIT_S (more
         once FORCE_AFTER_S passed), after checking the overlap token for token. RLD's own
         handed_off batch (one-shot, or MD taking over a broken RLD) switches at once."""
-        r = self.r
+        r, group = self.r, self.group
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         while not finish:
-            items = [await r.out.get()]
+            item = await self._next()
+            if item is None:  # the held message's oldest token waited the interval's bound
+                yield group.take()
+                continue
+            items = [item]
             while not r.out.empty() and not _terminal(items[-1][1]):
                 items.append(r.out.get_nowait())
             new, lps, switch = [], [], False
@@ -108,14 +115,27 @@ class Output:
             if new or finish:
                 msg = self._message(new, finish, lps)
                 finish = msg.finish_reason
-                yield msg
+                if (msg := group.add(msg)) is not None:
+                    yield msg
             if not finish and (switch or (not self.on_main and self._main_caught_up())):
                 self._switch()
                 held = self._take_ahead()
                 if held is not None:
                     msg = self._message(list(held.token_ids), held.finish_reason, list(held.logprobs))
                     finish = msg.finish_reason
-                    yield msg
+                    if (msg := group.add(msg)) is not None:
+                        yield msg
+
+    async def _next(self):
+        """The queue's next item; None once a held message's bound passes first."""
+        q, due = self.r.out, self.group.due
+        if due is None or not q.empty():
+            return await q.get()
+        try:
+            async with asyncio.timeout(due - time.perf_counter()):
+                return await q.get()
+        except TimeoutError:
+            return None
 
     def _check_logprobs(self, it, role: int) -> None:
         """A batch of a request that asked for logprobs carries one per token (P's first token

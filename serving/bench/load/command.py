@@ -1,5 +1,6 @@
 """`pddjax bench serving`: N concurrent Generate streams sent at once through each pipeline, with
-the engine alone beside it in the same run (issue 18).
+the engine alone beside it in the same run (issue 18), at each `--stream-interval` K (tokens per
+streamed message, side by side; a cell's key is "N" at K = 1, "N@K" otherwise: `cell`).
 
 One stack (`BenchStack`: P, RLD, MD, router as processes, MD behind the emulated WAN; default
 1000 Mb/s, 5 ms one way, no jitter, so pdd hands off to MD within a 64-token output), one bench
@@ -63,6 +64,7 @@ def register(bsub) -> None:
     p.add_argument("--streams", default="16,32,64", help="concurrent streams per burst (comma list)")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--stream-interval", default="1", help="tokens per streamed message (comma list: side by side)")
     p.add_argument("--burst", default="64,256", help="queued-burst stream counts ('' = none)")
     p.add_argument("--burst-tokens", type=int, default=128)
     p.add_argument("--burst-pipelines", default="pd-local,pdd")
@@ -210,13 +212,20 @@ async def _burst(router: str, reqs, timeout: float) -> tuple[float, list[Stream]
 
 
 def send_burst(router: str, prompts, max_tokens: int, pipeline: str, tag: str,
-               timeout: float = 600.0) -> tuple[float, list[Stream]]:
-    """All streams started at once -> (start time, per-stream records)."""
+               timeout: float = 600.0, interval: int = 1) -> tuple[float, list[Stream]]:
+    """All streams started at once (`interval` tokens per message) -> (start time, per-stream records)."""
     from serving.client import make_request
 
     reqs = [make_request(p, max_tokens=max_tokens, pipeline=pipeline, ignore_eos=True, request_id=f"{tag}-{i}")
             for i, p in enumerate(prompts)]
+    for r in reqs if interval > 1 else ():
+        r.stream_interval = interval
     return asyncio.run(_burst(router, reqs, timeout))
+
+
+def cell(n: int, interval: int) -> str:
+    """A result's key for N streams at a stream interval: "64" at 1 token a message (as before), "64@8" at 8."""
+    return str(n) if interval == 1 else f"{n}@{interval}"
 
 
 # ---- the command -----------------------------------------------------------------------
@@ -228,7 +237,9 @@ def run(args) -> int:
     pipelines, burst_pipelines = pipeline_list(args.pipelines), pipeline_list(args.burst_pipelines)
     if not pipelines:
         raise UserError("give at least one pipeline (--pipelines)")
-    streams, bursts = counts(args.streams), counts(args.burst)
+    streams, bursts, intervals = counts(args.streams), counts(args.burst), counts(args.stream_interval)
+    if not intervals:
+        raise UserError("give at least one stream interval (--stream-interval)")
     if not streams:
         raise UserError("give at least one stream count (--streams)")
     args.max_rows = args.max_rows or max(streams)
@@ -246,8 +257,8 @@ def run(args) -> int:
                     "reference": "ReferenceEngine (monolithic, dense cache), greedy, no stop ids",
                     "load_avg": {"before": [round(x, 2) for x in os.getloadavg()]}, "engine": {}, "serving": {},
                     "ratios": {}, "burst": {}}
-    plan = [(p, n, make_prompts(10 * k + j, n, args.prompt_tokens, mcfg.vocab_size))
-            for k, p in enumerate(pipelines) for j, n in enumerate(streams)]
+    plan = [(p, n, i, make_prompts(10 * k + j + 10_000 * (i - 1), n, args.prompt_tokens, mcfg.vocab_size))
+            for k, p in enumerate(pipelines) for j, n in enumerate(streams) for i in intervals]
     burst_plan = [(p, n, make_prompts(1000 + 10 * k + j, n, args.prompt_tokens, mcfg.vocab_size))
                   for k, p in enumerate(burst_pipelines) for j, n in enumerate(bursts)]
     t_start = time.monotonic()
@@ -259,7 +270,7 @@ def run(args) -> int:
 
         configure()
         model = load_model(args.model)
-        refs = {(p, n): reference_outputs(model, ps, args.max_tokens) for p, n, ps in plan}
+        refs = {(p, n, i): reference_outputs(model, ps, args.max_tokens) for p, n, i, ps in plan}
         burst_refs = {(p, n): reference_outputs(model, ps, args.burst_tokens) for p, n, ps in burst_plan}
         alone = EngineAlone(model, EngineConfig(**cfg["engine"]), args, mcfg.vocab_size, cpus.get("relay"))
         for n in streams:  # compiles its shapes now
@@ -288,26 +299,28 @@ def measure(args, stack, alone, streams, plan, refs, burst_plan, burst_refs, res
     from pddjax.model.config import NAMED_CONFIGS
 
     vocab = NAMED_CONFIGS[args.model].vocab_size
-    for k, p in enumerate(dict.fromkeys(p for p, _, _ in plan)):  # unmeasured: connections, probe, handoffs
+    for k, p in enumerate(dict.fromkeys(p for p, _, _, _ in plan)):  # unmeasured: connections, probe, handoffs
         _, recs = send_burst(stack.router, make_prompts(900 + k, 4, args.prompt_tokens, vocab), 8, p, f"warm-{p}")
         if any(r.error for r in recs):
             raise UserError(f"the {p} warm-up failed: {next(r.error for r in recs if r.error)}")
     engines = stack.engines()
-    for p, n, prompts in sorted(plan, key=lambda x: streams.index(x[1])):  # the engine alone first, per N
+    for p, n, i, prompts in sorted(plan, key=lambda x: streams.index(x[1])):  # the engine alone first, per N
         if str(n) not in result["engine"]:
             print(f"bench serving: the engine alone, {n} rows ...", file=sys.stderr, flush=True)
             result["engine"][str(n)] = alone.measure(n)
-        print(f"bench serving: {p} x {n} streams ...", file=sys.stderr, flush=True)
+        print(f"bench serving: {p} x {n} streams, {i} tokens a message ...", file=sys.stderr, flush=True)
         c0, cpu0 = compiles.read(engines), stack.cpu_s()
-        t0, recs = send_burst(stack.router, prompts, args.max_tokens, p, f"{p}-{n}")
-        fig = burst_figures(t0, recs, refs[(p, n)])
+        t0, recs = send_burst(stack.router, prompts, args.max_tokens, p, f"{p}-{n}-{i}", interval=i)
+        fig = burst_figures(t0, recs, refs[(p, n, i)])
+        fig["stream_interval"] = i
         explain_mismatches(fig, alone.model, prompts)
         fig["cpu_s"], fig["compiles"] = cpu_delta(cpu0, stack.cpu_s()), compiles.during(c0, compiles.read(engines))
         fig["cpu_us_per_token"] = per_token(fig["cpu_s"], fig["output_tokens"])  # beside the engine alone's 1e6 / tok/s
         fig["load_1m"] = round(os.getloadavg()[0], 2)
-        result["serving"].setdefault(p, {})[str(n)] = fig
-        result["ratios"].setdefault(p, {})[str(n)] = ratio(fig["tokens_per_s"],
-                                                           result["engine"][str(n)]["decode_tokens_per_s"])
+        key = cell(n, i)
+        result["serving"].setdefault(p, {})[key] = fig
+        result["ratios"].setdefault(p, {})[key] = ratio(fig["tokens_per_s"],
+                                                        result["engine"][str(n)]["decode_tokens_per_s"])
     serving = result["serving"]
     if "pdd" in serving and "pd-local" in serving:
         result["ratios"]["pdd_over_pd_local"] = {n: ratio(f["tokens_per_s"], serving["pd-local"][n]["tokens_per_s"])

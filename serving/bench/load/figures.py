@@ -4,9 +4,12 @@ from the client's per-stream records, the router's /metrics read before and afte
 
 Per burst (client side, perf_counter): tokens_per_s = output tokens / (last token of any stream -
 the moment the streams were started); TTFT = started -> first token; ITL = gaps between
-token-carrying messages of a stream, a message of k tokens counting k gaps of gap/k; max_gap =
-the longest gap between two messages of one stream; e2e = started -> last token; exact =
-output tokens equal to the monolithic reference's for every stream.
+token-carrying messages of a stream, a message of k tokens counting k gaps of gap/k; as vLLM's
+benchmark defines them, `message_itl_ms` = the gaps between a stream's streamed messages (one per
+message, whatever it holds) and `tpot_ms` = per stream (e2e - TTFT) / (n - 1) over its n output
+tokens; tokens_per_message = output tokens / token-carrying messages; max_gap = the longest gap
+between two messages of one stream; e2e = started -> last token; exact = output tokens equal to
+the monolithic reference's for every stream.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ class Stream:
 
 def burst_figures(t0: float, recs: list[Stream], refs: list[list[int]]) -> dict:
     ok = [r for r in recs if r.error is None and r.times]
-    itl, gaps = [], []
+    itl, gaps, message_itl, tpot = [], [], [], []
     for r in ok:
         for a, b, k in zip(r.times, r.times[1:], r.sizes[1:]):
             itl += [1e3 * (b - a) / k] * k
+            message_itl.append(1e3 * (b - a))
+        if len(r.tokens) > 1:
+            tpot.append(1e3 * (r.times[-1] - r.times[0]) / (len(r.tokens) - 1))
         gaps.append(max((1e3 * (b - a) for a, b in zip(r.times, r.times[1:])), default=0.0))
     end = max((r.times[-1] for r in ok), default=t0)
     out_tokens = sum(len(r.tokens) for r in ok)
@@ -49,6 +55,7 @@ def burst_figures(t0: float, recs: list[Stream], refs: list[list[int]]) -> dict:
             "output_tokens": out_tokens, "wall_s": round(end - t0, 3),
             "tokens_per_s": round(out_tokens / (end - t0), 1) if end > t0 else None,
             "ttft_ms": pct([1e3 * (r.times[0] - t0) for r in ok]), "itl_ms": pct(itl),
+            "message_itl_ms": pct(message_itl), "tpot_ms": pct(tpot),
             "max_gap_ms": pct(gaps), "e2e_ms": pct([1e3 * (r.times[-1] - t0) for r in ok]),
             "tokens_per_message": round(out_tokens / max(1, sum(len(r.sizes) for r in ok)), 2),
             "main_token_share": round(sum(r.main_tokens for r in ok) / out_tokens, 4) if out_tokens else 0.0,
@@ -152,15 +159,21 @@ def _pp(d: dict) -> str:
     return f"{d['p50']:.0f} / {d['p99']:.0f}" if d.get("p50") is not None else "-"
 
 
+def _p2(d: dict | None) -> str:
+    return f"{d['p50']:.2f} / {d['p99']:.2f}" if d and d.get("p50") is not None else "-"
+
+
 def markdown(res: dict) -> str:
     lines = ["| pipeline | streams | tok/s | engine decode tok/s | serving/engine | TTFT p50/p99 ms | ITL p50/p99 ms |"
-             " max gap ms | e2e p50/p99 ms | exact | tok/msg |", "|" + "---|" * 11]
+             " ITL/msg p50/p99 ms | TPOT p50/p99 ms | max gap ms | e2e p50/p99 ms | exact | tok/msg |",
+             "|" + "---|" * 13]
     for p, per in res["serving"].items():
         for n, f in per.items():
-            e = res["engine"][n]["decode_tokens_per_s"]
+            e = res["engine"][n.split("@")[0]]["decode_tokens_per_s"]
             itl = f"{f['itl_ms']['p50']} / {f['itl_ms']['p99']}"
             lines.append(f"| {p} | {n} | {f['tokens_per_s']} | {e} | {res['ratios'][p][n]} | {_pp(f['ttft_ms'])} | "
-                         f"{itl} | {f['max_gap_ms']['max']} | {_pp(f['e2e_ms'])} | "
+                         f"{itl} | {_p2(f.get('message_itl_ms'))} | {_p2(f.get('tpot_ms'))} | "
+                         f"{f['max_gap_ms']['max']} | {_pp(f['e2e_ms'])} | "
                          f"{_exact(f)} ({f['completed']}/{f['streams']}) | {f['tokens_per_message']} |")
     if "pdd_over_pd_local" in res["ratios"]:
         lines.append(f"\npdd / pd-local tokens/s: {res['ratios']['pdd_over_pd_local']}")
@@ -168,7 +181,7 @@ def markdown(res: dict) -> str:
     for p, per in res["serving"].items():
         for n, f in per.items():
             us = ", ".join(f"{k} {v}" for k, v in f.get("cpu_us_per_token", {}).items())
-            alone = res["engine"][n]["decode_tokens_per_s"]
+            alone = res["engine"][n.split("@")[0]]["decode_tokens_per_s"]
             lines.append(f"- {p} x {n}: {us}; engine alone {round(1e6 / alone, 1) if alone else '-'}")
     if res["burst"]:
         lines += ["", "| burst | pipeline | tokens | completed | exact | refused | TTFT p50/p99 ms | e2e p50/p99 ms | "

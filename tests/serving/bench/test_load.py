@@ -38,6 +38,9 @@ def test_burst_figures_time_and_exactness():
     assert fig["e2e_ms"]["max"] == pytest.approx(210.0)
     assert fig["tokens_per_s"] == pytest.approx(7 / 0.21, abs=0.1)
     assert fig["tokens_per_message"] == pytest.approx(7 / 5)
+    assert fig["message_itl_ms"]["n"] == 3 and fig["message_itl_ms"]["max"] == pytest.approx(40.0)  # one per message
+    assert fig["tpot_ms"]["n"] == 2 and fig["tpot_ms"]["max"] == pytest.approx(20.0)  # (e2e - TTFT) / (n - 1): 60/3
+    assert fig["tpot_ms"]["mean"] == pytest.approx(12.5)  # and 10/2
     wrong = sl.burst_figures(10.0, [a, b], [[5, 6, 7, 8], [1, 2, 4]])
     assert not wrong["exact"] and wrong["mismatched"] == [1]
     failed = sl.burst_figures(10.0, [a, sl.Stream(error="RESOURCE_EXHAUSTED: full")], [[5, 6, 7, 8], [1]])
@@ -85,7 +88,7 @@ def test_bench_serving_small_run(tmp_path):
     out = tmp_path / "serving.json"
     p = subprocess.run([sys.executable, "-m", "serving", "bench", "serving", "--streams", "4", "--max-tokens", "16",
                         "--burst", "16", "--burst-tokens", "256", "--num-pages", "256", "--max-rows", "8",
-                        "--max-step-tokens", "128", "--json", str(out)],
+                        "--max-step-tokens", "128", "--stream-interval", "1,4", "--json", str(out)],
                        capture_output=True, text=True, timeout=580)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -103,6 +106,13 @@ def test_bench_serving_small_run(tmp_path):
         assert f["compiles"] == {"prefill": 0, "relay": 0, "main": 0}, (name, f["compiles"])
         assert f["cpu_us_per_token"]["router"] == pytest.approx(1e6 * f["cpu_s"]["router"] / 64, abs=0.1)
         assert res["ratios"][name]["4"] == pytest.approx(f["tokens_per_s"] / eng["decode_tokens_per_s"], rel=1e-2)
+    for name, per in res["serving"].items():  # 4 tokens a message: 1, 4, 4, 4, 3; the same tokens, exact
+        one, four = per["4"], per["4@4"]
+        assert four["exact"] and four["stream_interval"] == 4 and one["stream_interval"] == 1, (name, four)
+        assert four["tokens_per_message"] >= 16 / 5 - 1e-6 and one["tokens_per_message"] < 2, name
+        assert four["message_itl_ms"]["n"] <= 4 * 4 < one["message_itl_ms"]["n"] and four["tpot_ms"]["n"] == 4
+        assert set(four["cpu_us_per_token"]) == set(one["cpu_us_per_token"])
+    assert "| pdd | 4@4 |" in p.stdout
     assert res["serving"]["pd-local"]["4"]["main_token_share"] == 0.0
     assert res["serving"]["pd-cross"]["4"]["main_token_share"] == 1.0
     assert res["ratios"]["pdd_over_pd_local"]["4"] > 0

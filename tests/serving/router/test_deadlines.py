@@ -52,7 +52,7 @@ def test_max_deadline_below_the_default_or_infinite_is_refused():
 def test_generate_and_the_in_process_entry_point_cap_the_clients_deadline(monkeypatch):
     seen = []
 
-    async def read(r, req, cfg, tok, handoff, tool_parser=""):
+    async def read(r, req, cfg, tok, handoff, *settings):
         seen.append(r.deadline.remaining())
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "seen")
 

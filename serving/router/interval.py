@@ -1,0 +1,88 @@
+"""Stream intervals: the user's messages grouped, K tokens each, no token waiting past a bound.
+
+`[router] stream_interval` (tokens per message) and `stream_interval_ms` (the longest a ready
+token may wait before it is sent; 0: no time bound) are the service's; a request's
+`GenerateRequest.stream_interval` / `stream_interval_ms` may only be coarser (as vLLM's): a finer
+one is raised to the service's (`chosen`), one out of range is INVALID_ARGUMENT naming the field.
+
+`Group` sits between `stream.Output`'s messages and the user's stream. The first message with
+tokens and the final one (finish_reason, usage, timings) go at once; the others are held and
+joined (`join`: tokens, sources, text, logprobs appended; a tool call's deltas merged into one
+per call) until K tokens are held, or the oldest held token waited the bound (`Output` wakes
+for it: `due`). Every message still carries deltas only: what was held goes once, in order.
+At K = 1 and no bound a message passes through untouched (no copy).
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from serving.config import MAX_STREAM_INTERVAL, MAX_STREAM_INTERVAL_MS
+from serving.router.request import Abort
+
+
+def chosen(tokens: int, ms: float, req) -> tuple[int, float]:
+    """The (tokens, ms) a request streams at: the service's, or the request's where coarser
+    (more tokens; a longer bound, 0 = none the coarsest); out of range -> Abort INVALID_ARGUMENT."""
+    if req.HasField("stream_interval"):
+        if not 1 <= req.stream_interval <= MAX_STREAM_INTERVAL:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"stream_interval must be in 1..{MAX_STREAM_INTERVAL} "
+                                                          f"tokens, got {req.stream_interval}")
+        tokens = max(tokens, req.stream_interval)
+    if req.HasField("stream_interval_ms"):
+        if req.stream_interval_ms > MAX_STREAM_INTERVAL_MS:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"stream_interval_ms must be in 0..{MAX_STREAM_INTERVAL_MS} "
+                                                          f"(0: no time bound), got {req.stream_interval_ms}")
+        ms = 0.0 if ms == 0 or req.stream_interval_ms == 0 else max(ms, float(req.stream_interval_ms))
+    return tokens, ms
+
+
+def join(held, msg) -> None:
+    """`msg`'s deltas appended to `held` (GenerateResponses of one request, in order)."""
+    held.token_ids.extend(msg.token_ids)
+    held.sources.extend(msg.sources)
+    if msg.text:
+        held.text += msg.text
+    if msg.logprobs:
+        held.logprobs.extend(msg.logprobs)
+    for d in msg.tool_calls:
+        last = held.tool_calls[-1] if held.tool_calls else None
+        if last is not None and last.index == d.index:  # the same call: its pieces in one delta
+            last.arguments += d.arguments
+            last.id, last.name = last.id or d.id, last.name or d.name
+        else:
+            held.tool_calls.add().CopyFrom(d)
+    if msg.finish_reason:
+        held.finish_reason = msg.finish_reason
+        held.usage.CopyFrom(msg.usage)
+        held.timings.CopyFrom(msg.timings)
+
+
+class Group:
+    """One request's held message (or none). `add(msg)` -> the message to send now, or None."""
+
+    def __init__(self, tokens: int = 1, ms: float = 0.0):
+        self.tokens, self.wait_s = tokens, ms / 1e3
+        self.held = None  # a GenerateResponse the others are joined into
+        self.count = 0  # tokens held
+        self.due: float | None = None  # perf_counter by which `held` must go (a bound set, something held)
+        self.started = False  # the first tokens went
+
+    def add(self, msg):
+        if self.held is None:
+            if not self.started or msg.finish_reason or self.tokens == 1:
+                self.started = self.started or bool(msg.token_ids)
+                return msg
+            self.held, self.count = msg, len(msg.token_ids)
+            self.due = time.perf_counter() + self.wait_s if self.wait_s else None
+        else:
+            join(self.held, msg)
+            self.count += len(msg.token_ids)
+        return self.take() if self.count >= self.tokens or msg.finish_reason else None
+
+    def take(self):
+        """The held message (its bound passed, or it is complete); nothing is held after."""
+        msg, self.held, self.count, self.due = self.held, None, 0, None
+        return msg

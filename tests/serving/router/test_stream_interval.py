@@ -1,0 +1,140 @@
+"""Stream intervals in the router (serving/router/interval.py): a request's interval only coarser
+than the service's, bad values refused naming the field; the real `stream.Output` on a real
+`Request` groups K tokens a message (the first tokens and the final message at once, the same
+text joined), no token waits past `stream_interval_ms` behind a slow engine; tool-call deltas and
+logprobs joined without loss or duplicates."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from serving.config import RouterSettings
+from serving.pb import cluster_pb2, common_pb2, router_pb2
+from serving.router.interval import Group, chosen, join
+from serving.router.metrics import RouterMetrics
+from serving.router.request import Abort, Request
+from serving.router.request_state import State
+from serving.router.stream import Output
+
+TEXT = "stream intervals group tokens, never lose one: ok " * 3
+
+
+class ByteTokenizer:
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def run(data: bytes, interval=(1, 0.0), every_s: float = 0.0):
+    """-> [(message, perf_counter received)], [perf_counter each token was put] for one-token RLD
+    batches (`every_s` apart: a slow engine) through Output at `interval`."""
+
+    async def main():
+        r = Request()
+        r.pipeline, r.stream_interval = common_pb2.PIPELINE_PD_LOCAL, interval
+        for state in (State.ADMISSION, State.PLAN, State.RESERVE, State.RELAY_STREAMING):
+            r.advance(state)
+        put_at = []
+
+        async def relay():
+            for i, b in enumerate(data):
+                last = i == len(data) - 1
+                put_at.append(time.perf_counter())
+                r.relay_out.put_nowait(cluster_pb2.TokenBatch(
+                    start_position=i, token_ids=[b],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else common_pb2.FINISH_REASON_UNSPECIFIED))
+                await asyncio.sleep(every_s)
+
+        feeder = asyncio.create_task(relay())
+        got = [(m, time.perf_counter()) async for m in Output(r, ByteTokenizer(), (), RouterMetrics()).messages()]
+        feeder.cancel()
+        return got, put_at
+
+    return asyncio.run(main())
+
+
+def req(**kw) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(**kw)
+
+
+def test_a_request_may_only_ask_coarser():
+    assert chosen(1, 0.0, req()) == (1, 0.0)
+    assert chosen(4, 20.0, req()) == (4, 20.0)  # unset: the service's
+    assert chosen(4, 20.0, req(stream_interval=8, stream_interval_ms=50)) == (8, 50.0)
+    assert chosen(4, 20.0, req(stream_interval=2, stream_interval_ms=5)) == (4, 20.0)  # finer: raised
+    assert chosen(4, 20.0, req(stream_interval_ms=0)) == (4, 0.0)  # no time bound is the coarsest
+    assert chosen(4, 0.0, req(stream_interval_ms=50)) == (4, 0.0)
+
+
+@pytest.mark.parametrize("kw,field", [({"stream_interval": 0}, "stream_interval"),
+                                      ({"stream_interval": 1025}, "stream_interval"),
+                                      ({"stream_interval_ms": 60_001}, "stream_interval_ms")])
+def test_out_of_range_is_invalid_argument_naming_the_field(kw, field):
+    with pytest.raises(Abort) as e:
+        chosen(1, 0.0, req(**kw))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.message.startswith(field + " must")
+
+
+@pytest.mark.parametrize("kw", [{"stream_interval": 0}, {"stream_interval_ms": -1}, {"stream_interval": 2000}])
+def test_service_settings_out_of_range_are_refused(kw):
+    from pddjax.errors import UserError
+
+    with pytest.raises(UserError, match="stream_interval"):
+        RouterSettings(**kw)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_k_tokens_a_message_first_and_final_at_once(k):
+    data = TEXT.encode()
+    got, _ = run(data, (k, 0.0))
+    msgs = [m for m, _ in got]
+    assert b"".join(bytes(m.token_ids) for m in msgs) == data
+    assert "".join(m.text for m in msgs) == TEXT
+    assert all(len(m.sources) == len(m.token_ids) for m in msgs)
+    assert len(msgs[0].token_ids) == 1  # the first token goes alone, at once
+    assert all(len(m.token_ids) == k for m in msgs[1:-1])  # every middle message holds exactly K
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert msgs[-1].usage.completion_tokens == len(data) and not any(m.finish_reason for m in msgs[:-1])
+    assert len(msgs) <= 2 + (len(data) - 1) // k
+
+
+def test_no_token_waits_past_the_bound_behind_a_slow_engine():
+    """One token every 15 ms, 8 a message: without a bound tokens wait ~100 ms; with 40 ms none
+    waits past it (plus the loop's slack), and messages hold about 3 tokens."""
+    data = TEXT.encode()[:40]
+    unbounded, _ = run(data, (8, 0.0), every_s=0.015)
+    assert max(len(m.token_ids) for m, _ in unbounded) == 8
+    got, put_at = run(data, (8, 40.0), every_s=0.015)
+    waits, pos = [], 0
+    for m, at in got:
+        if m.token_ids:
+            waits.append(at - put_at[pos])  # the oldest token of the message
+            pos += len(m.token_ids)
+    assert pos == len(data) and bytes(t for m, _ in got for t in m.token_ids) == data
+    print(f"longest wait {max(waits) * 1e3:.1f} ms, tokens per message {len(data) / len(waits):.1f}")
+    assert max(waits) < 0.040 + 0.025
+    assert max(len(m.token_ids) for m, _ in got) < 8
+
+
+def test_join_merges_a_calls_deltas_and_keeps_logprobs_in_order():
+    a = router_pb2.GenerateResponse(token_ids=[1], sources=[1], text="x",
+                                    logprobs=[common_pb2.TokenLogprob(logprob=-0.1)],
+                                    tool_calls=[router_pb2.ToolCallDelta(index=0, id="c0", name="f", arguments='{"a"')])
+    b = router_pb2.GenerateResponse(token_ids=[2, 3], sources=[1, 1], text="yz",
+                                    logprobs=[common_pb2.TokenLogprob(logprob=x) for x in (-0.2, -0.3)],
+                                    tool_calls=[router_pb2.ToolCallDelta(index=0, arguments=": 1}"),
+                                                router_pb2.ToolCallDelta(index=1, id="c1", name="g", arguments="{}")])
+    join(a, b)
+    assert list(a.token_ids) == [1, 2, 3] and a.text == "xyz" and len(a.sources) == 3
+    assert [round(lp.logprob, 2) for lp in a.logprobs] == [-0.1, -0.2, -0.3]
+    assert [(d.index, d.id, d.name, d.arguments) for d in a.tool_calls] == [(0, "c0", "f", '{"a": 1}'),
+                                                                             (1, "c1", "g", "{}")]
+
+
+def test_group_passes_messages_through_at_one_token():
+    g = Group(1, 0.0)
+    m = router_pb2.GenerateResponse(token_ids=[5])
+    assert g.add(m) is m and g.add(m) is m and g.held is None
