@@ -5,7 +5,8 @@ pddjax_rpc_inflight, and for engine roles pddjax_kv_pages_active (pages held by 
 requests; returns to 0 when idle; prefix-cache-only pages not counted), pddjax_kv_pages_used
 (all allocated pages, prefix cache included), pddjax_kv_pages_total, pddjax_engine_sequences,
 pddjax_engine_steps_total, pddjax_engine_queue_depth, pddjax_jit_compiles / pddjax_jit_executables
-(step and KV copy variants built / held) and pddjax_jit_compiles_after_ready (built since the
+(step and KV copy variants built / held), pddjax_spec_drafted_tokens / pddjax_spec_accepted_tokens
+(speculative decoding's draft tokens verified / accepted) and pddjax_jit_compiles_after_ready (built since the
 service reported SERVING: 0 when its precompiled shape set covers the load). The router adds its own (TTFT, ITL,
 admission, pipelines, handoffs, failures, WAN bytes: `router_metrics.py`) on `registry`.
 The endpoint (serving/metrics_http.py: timeouts, bounded connections) listens on an ephemeral port
@@ -52,6 +53,10 @@ class ServiceMetrics:
         self.executables = Gauge("pddjax_jit_executables", "jitted step / KV copy variants held in memory now",
                                  registry=r)
         self._faults_counted = 0
+        self.spec_drafted = Gauge("pddjax_spec_drafted_tokens", "draft tokens verified (speculative decoding)",
+                                  registry=r)
+        self.spec_accepted = Gauge("pddjax_spec_accepted_tokens", "draft tokens accepted (speculative decoding)",
+                                   registry=r)
         self.engine_faults = Counter("pddjax_engine_faults", "engine steps that raised (their sequences failed)",
                                      registry=r)
         self.url: str | None = None
@@ -76,6 +81,8 @@ class ServiceMetrics:
         self.background_compiles.set(snap.get("background_compiles", 0))
         self.background_pending.set(snap.get("background_pending", 0))
         self.executables.set(snap.get("executables", 0))
+        self.spec_drafted.set(snap.get("spec_drafted", 0))
+        self.spec_accepted.set(snap.get("spec_accepted", 0))
         faults = snap.get("faults", 0) - self._faults_counted
         if faults > 0:
             self.engine_faults.inc(faults)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import re
 
 import grpc
@@ -171,9 +172,12 @@ def logprob_to_pb(lp) -> common_pb2.TokenLogprob:
 
 
 def spec_from_pb(spec: cluster_pb2.SequenceSpec):
-    """-> (request_id, prompt, SamplingParams, max_tokens, stop_ids)."""
-    return (spec.request_id, list(spec.prompt), sampling_from_pb(spec.sampling), int(spec.max_tokens),
-            tuple(spec.stop_token_ids))
+    """-> (request_id, prompt, SamplingParams, max_tokens, stop_ids); `no_speculation` becomes
+    `SamplingParams.speculative` = False."""
+    params = sampling_from_pb(spec.sampling)
+    if spec.no_speculation:
+        params = dataclasses.replace(params, speculative=False)
+    return (spec.request_id, list(spec.prompt), params, int(spec.max_tokens), tuple(spec.stop_token_ids))
 
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,

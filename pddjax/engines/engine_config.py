@@ -10,6 +10,7 @@ import dataclasses
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "xla", "pallas")  # auto: XLA on CPU, Pallas on GPU/TPU
+SPECULATIVE = ("off", "ngram")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,10 @@ class EngineConfig:
     # a covering few step shapes, the rest compiled in the background while it serves; "all",
     # the whole stated set first (minutes on a cold cache for the real model).
     ready: str = "cover"
+    # Speculative decoding (pddjax/engines/speculate.py): "ngram" drafts by prompt lookup and
+    # verifies the drafts in decode steps, at most spec_max_tokens per row per step; "off".
+    speculative: str = "off"
+    spec_max_tokens: int = 4
 
     def check(self) -> str | None:
         """One sentence on what is wrong with these values, or None."""
@@ -42,7 +47,9 @@ class EngineConfig:
             return f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
         if self.attention not in ATTENTION:
             return f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}"
-        for name in ("page_size", "num_pages", "max_step_tokens", "max_rows", "tensor_parallel"):
+        if self.speculative not in SPECULATIVE:
+            return f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}"
+        for name in ("page_size", "num_pages", "max_step_tokens", "max_rows", "tensor_parallel", "spec_max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 return f"{name} must be a positive integer, got {value!r}"

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pddjax.engines import buckets, step_batch
+from pddjax.engines import buckets, speculate, step_batch
 from pddjax.engines.engine_api import Engine, TokenEvent, TokenLogprobs
 from pddjax.engines.engine_config import EngineConfig
 from pddjax.engines.mesh import EngineMesh
@@ -92,6 +92,7 @@ class PagedEngine(Engine):
         self.background = None  # precompile's BackgroundBuild of the rest (ready "cover")
         self._table_width = max(mp for _, _, mp, _ in self.stated)  # a Sequence's page_array length
         self.num_steps = 0
+        self.spec_drafted = self.spec_accepted = 0  # draft tokens verified / accepted (speculate.py)
         self._multi_first = False  # the last step left a multi-token row out: those go first (buckets.step_order)
         self.last_shape: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # (T, B, MP, Q, rows) of the last step
 
@@ -172,6 +173,7 @@ class PagedEngine(Engine):
                        frozenset(self.cfg.eos_token_ids if stop_ids is None else stop_ids), pages,
                        prefix_node=node if cached_pages else None, hold_on_finish=hold_on_finish,
                        table_width=self._table_width, matcher=matcher)
+        seq.speculates = config_speculates(self.config) and speculate.can_draft(params)  # drafter: at its first decode
         self.seqs[seq_id] = seq
         return seq
 
@@ -218,24 +220,40 @@ class PagedEngine(Engine):
         if not rows:
             return []
         self.step_rows = [seq.seq_id for seq, _ in rows]  # row order: the sequences a failing step fails
-        width = max(pages_needed(seq.pages.num_tokens + n, S) for seq, n in rows)  # the widest page table
-        shape = buckets.fit(self.shapes, sum(n for _, n in rows), len(rows), width, max(n for _, n in rows))
-        batch, sample_rows, greedy = self._build(rows, shape)
-        pen = self.penalties.prepare(rows, sample_rows) if self.penalties is not None else None
-        mask = step_batch.token_masks(rows, sample_rows, shape[1], self._mask_words)  # [B, W] or None
-        sp = self._sampling_arrays(rows, shape[1], pen, mask)
-        self.last_shape = (*shape, len(rows))
+        # drafts (speculative decoding): a drafted decode row runs as its k + 1 positions
+        drafts = speculate.plan(rows, self.config.max_rows, self.config.max_step_tokens,
+                                self.config.spec_max_tokens) \
+            if config_speculates(self.config) else {}
+        run_rows, first = speculate.expand(rows, drafts) if drafts else (rows, range(len(rows)))
+        width = max(pages_needed(seq.pages.num_tokens + n, S) for seq, n in run_rows)  # the widest page table
+        shape = buckets.fit(self.shapes, sum(n for _, n in run_rows), len(run_rows), width,
+                            max(n for _, n in run_rows))
+        batch, sample_rows, greedy = self._build(run_rows, shape)
+        pen = self.penalties.prepare(run_rows, sample_rows) if self.penalties is not None else None
+        mask = step_batch.token_masks(run_rows, sample_rows, shape[1], self._mask_words)  # [B, W] or None
+        sp = self._sampling_arrays(run_rows, shape[1], pen, mask)
+        self.last_shape = (*shape, len(run_rows))
         # run: asynchronous on the device, so the KV bookkeeping below overlaps it
         tokens, lp = self._device_step(batch, sp, max_q_len=shape[3], greedy=greedy)  # [B], logprobs
         self.num_steps += 1
-        for seq, n in rows:
-            seq.pages.num_tokens += n
+        for r, (seq, n) in enumerate(rows):
+            if r not in drafts:
+                seq.pages.num_tokens += n
         # update: each sampled row's token recorded (np.asarray waits for the step)
         tokens = np.asarray(tokens)
-        asked = [r for r, (seq, _) in enumerate(rows) if sample_rows[r] and seq.params.logprobs]
+        asked = [r for r, (seq, _) in enumerate(run_rows) if sample_rows[r] and seq.params.logprobs]
         lp = jax.device_get(lp) if asked else None  # fetched only when a row wants them
         events = []
-        for r, (seq, _) in enumerate(rows):
+        for i, (seq, _) in enumerate(rows):
+            r = first[i]
+            if i in drafts:
+                verified, accepted = speculate.accept(seq, drafts[i], tokens[r:r + len(drafts[i]) + 1])
+                self.spec_drafted += len(drafts[i])
+                self.spec_accepted += accepted
+                events += verified
+                if seq.finish_reason and not seq.hold_on_finish:
+                    self.release(seq.seq_id)
+                continue
             if not sample_rows[r]:
                 continue
             pos = len(seq.generated)
@@ -338,6 +356,9 @@ class PagedEngine(Engine):
             s.pages.check_integrity()
             if s.matcher is not None:
                 s.matcher.check_integrity(len(s.generated))
+            if s.drafter is not None:
+                s.drafter.check_integrity()
+                assert s.drafter.tokens == s.all_tokens()[:len(s.drafter)], f"{s.seq_id}: drafter context differs"
             assert s.pages.num_tokens <= s.num_tokens, f"{s.seq_id}: more KV than tokens"
             n = len(s.pages.pages)
             assert s.page_array[:n].tolist() == s.pages.pages and not s.page_array[n:].any(), \
@@ -351,6 +372,10 @@ class PagedEngine(Engine):
         assert self.allocator.num_used == len(expected_used), "pages leaked: used pages with no holder"
         if self.penalties is not None:
             self.penalties.check_integrity(self.seqs)
+
+
+def config_speculates(config: EngineConfig) -> bool:
+    return config.speculative != "off"
 
 
 def _logprobs(lp, r: int, top: int) -> TokenLogprobs:

@@ -38,6 +38,8 @@ class Sequence:
     pen_row: int = -1  # the engine's penalty table row (-1: none; engines/penalty_state.py)
     pen_counted: int = -1  # generated tokens that row holds (-1: to be seeded in full)
     matcher: object | None = None  # the grammar's pddjax.grammar.matcher.Matcher (None: unconstrained)
+    speculates: bool = False  # may draft (engines/speculate.py)
+    drafter: object | None = None  # its engines.drafter.Drafter, made at its first decode step
     page_array: np.ndarray = dataclasses.field(init=False, repr=False)  # [max(width, pages)] int32, page 0 padded
 
     def __post_init__(self):
@@ -112,6 +114,8 @@ class Sequence:
             if self.matcher is not None:
                 self.matcher.rollback(len(self.generated) - num_generated)
             self.generated = self.generated[:num_generated]
+            if self.drafter is not None:
+                self.drafter.truncate(len(self.prompt) + num_generated)
             if self.pen_counted > num_generated:  # the penalty row counted tokens now gone
                 self.pen_counted = -1
             self.pages.num_tokens = min(self.pages.num_tokens, len(self.prompt) + num_generated)

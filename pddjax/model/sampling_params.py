@@ -50,6 +50,7 @@ class SamplingParams:
     logprobs: bool = False  # the sampled token's logprob (raw logits) on each token
     top_logprobs: int = 0  # and this many most likely alternatives (needs logprobs)
     grammar: GrammarSpec | None = None  # constrain the output to a JSON schema, regex or Lark grammar
+    speculative: bool = True  # may draft (where the engine speculates: `[engine] speculative`); False opts out
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", _pairs(self.logit_bias))
@@ -69,6 +70,8 @@ class SamplingParams:
             raise ValueError(f"top-k must be in [0, 2^31), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if not 0 <= self.seed < 2**31:
             raise ValueError(f"seed must be in [0, 2^31), got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -30,6 +30,10 @@ def register(sub) -> None:
     u.add_argument("--state", help="write a JSON state file (services, pids, addresses)")
     u.add_argument("--model", help="override the config's model")
     u.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override every engine's dtype")
+    u.add_argument("--speculative", choices=["off", "ngram"],
+                   help="speculative decoding on RLD and MD ([engine] speculative): ngram drafts by prompt lookup")
+    u.add_argument("--spec-max-tokens", type=int, metavar="K",
+                   help="drafts per row per step ([engine] spec_max_tokens)")
     u.add_argument("--wan-mbps", type=float, help="A -> B bandwidth in Mb/s (0 = unlimited)")
     u.add_argument("--wan-latency-ms", type=float, help="A -> B one-way latency in ms")
     u.add_argument("--wan-capacity-mbps", type=float,
@@ -262,6 +266,11 @@ def load_stack(args) -> dict:
         stack["engine"] = {**stack.get("engine", {}), "dtype": args.dtype}
         for r in ENGINE_ROLES:
             stack.get(r, {}).pop("dtype", None)
+    for flag, key in (("speculative", "speculative"), ("spec_max_tokens", "spec_max_tokens")):
+        if getattr(args, flag, None) is not None:  # (checked with each role's engine table below)
+            stack["engine"] = {**stack.get("engine", {}), key: getattr(args, flag)}
+            for r in ENGINE_ROLES:
+                stack.get(r, {}).pop(key, None)
     wan = dict(stack.get("wan", {}))
     if args.wan_mbps is not None:
         if args.wan_mbps < 0:

@@ -186,7 +186,8 @@ class EngineWorker:
                 "queue_depth": self._q.qsize(), "compiles": compiles,
                 "compiles_after_ready": after_ready, "background_compiles": built_behind,
                 "background_pending": (background.variants_total - built_behind) if background is not None else 0,
-                "faults": self.faults.total,
+                "faults": self.faults.total, "spec_drafted": getattr(e, "spec_drafted", 0),
+                "spec_accepted": getattr(e, "spec_accepted", 0),
                 "executables": resident_count() + compiled_variants()}
 
 

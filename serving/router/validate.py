@@ -5,7 +5,7 @@ the sampling parameters, max_tokens, stop token ids and pipeline are checked aga
 model (`rpc.validate_spec`: vocabulary, context length, sampling ranges). Anything wrong is
 INVALID_ARGUMENT with one sentence. What passes fills the request's "what was asked" fields,
 with the SequenceSpec every tier is sent (EOS joins the stop ids unless `ignore_eos`) and the
-handoff mode (the client's, else `[router] handoff`).
+handoff mode (the client's, else `[router] handoff`) and the stream interval (`interval.chosen`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import grpc
 from pddjax.grammar.spec import GrammarSpec
 from serving import rpc
 from serving.pb import cluster_pb2, common_pb2
-from serving.router import tools
+from serving.router import interval, tools
 from serving.router.request import PIPELINE_NAMES, Abort
 
 if TYPE_CHECKING:
@@ -75,10 +75,12 @@ OFF_LOOP_CHARS = 4096
 
 
 async def read(r: Request, req: router_pb2.GenerateRequest, cfg, tokenizer, handoff: str,
-               tool_parser: str = "") -> None:
+               tool_parser: str = "", stream_interval: tuple[int, float] = (1, 0.0)) -> None:
     """Fills `r` from `req` (its own random id; the client's request_id is its label), or raises Abort
     (INVALID_ARGUMENT). `handoff`: `[router] handoff`, for a request that names no mode;
-    `tool_parser`: `[router] tool_parser` ("": the one the chat template's markers name)."""
+    `tool_parser`: `[router] tool_parser` ("": the one the chat template's markers name);
+    `stream_interval`: `[router] stream_interval` and `stream_interval_ms` (a request's only coarser)."""
+    r.stream_interval = interval.chosen(*stream_interval, req)
     chat = req.WhichOneof("prompt") == "chat"
     if chat and len(req.chat.tools_json) > tools.validate.MAX_TOOLS_BYTES:
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"tools hold {len(req.chat.tools_json)} bytes of JSON; at "
@@ -115,6 +117,7 @@ async def read(r: Request, req: router_pb2.GenerateRequest, cfg, tokenizer, hand
     r.rid, r.label, r.session = rid, req.request_id or rid, req.session_id
     r.prompt, r.max_tokens, r.requested = prompt, max_tokens, req.pipeline
     r.spec = cluster_pb2.SequenceSpec(request_id=rid, prompt=prompt, sampling=rpc.sampling_to_pb(params),
-                                      max_tokens=max_tokens, stop_token_ids=stop_ids)
+                                      max_tokens=max_tokens, stop_token_ids=stop_ids,
+                                      no_speculation=req.HasField("speculative") and not req.speculative)
     r.mode = req.handoff or (common_pb2.HANDOFF_MODE_ONE_SHOT if handoff == "one-shot"
                              else common_pb2.HANDOFF_MODE_CHUNKED)

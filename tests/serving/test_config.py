@@ -17,7 +17,8 @@ from serving.config import ENGINE_KEYS, RouterSettings, service_config
 def test_engine_keys_are_engine_config_fields():
     assert ENGINE_KEYS == {f.name for f in dataclasses.fields(EngineConfig)}
     every = {"dtype": "bfloat16", "page_size": 32, "num_pages": 64, "attention": "auto", "max_step_tokens": 128,
-             "max_rows": 4, "prefix_cache": False, "pad_limit": 2.0, "tensor_parallel": 2, "ready": "all"}
+             "max_rows": 4, "prefix_cache": False, "pad_limit": 2.0, "tensor_parallel": 2, "ready": "all",
+             "speculative": "ngram", "spec_max_tokens": 3}
     assert set(every) == ENGINE_KEYS  # this test names every field: a new one must be added here
     cfg = service_config({"engine": every}, "relay")
     assert EngineConfig(**cfg.engine) == EngineConfig(**every)

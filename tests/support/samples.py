@@ -14,6 +14,11 @@ def prompt(n: int, seed: int = 0, vocab: int = 512) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, n).tolist()
 
 
+def repetitive(n: int, seed: int) -> list[int]:
+    """`n` token ids repeating one random 7-token unit: a context prompt lookup drafts from."""
+    unit = prompt(7, seed)
+    return (unit * (n // 7 + 1))[:n]
+
 def greedy(ref, p: list[int], max_tokens: int) -> list[int]:
     """The greedy tokens the reference engine `ref` answers `p` with, ignoring EOS."""
     return ref.generate(p, SamplingParams(), max_tokens, ()).token_ids

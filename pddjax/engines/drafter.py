@@ -1,0 +1,122 @@
+"""Prompt-lookup drafts for speculative decoding (plain Python, no jax, no numpy needed).
+
+One `Drafter` per sequence holds its context (prompt + output) and an n-gram index over it:
+for every n in 1..max_ngram, the n-gram ending just before each position maps to the most
+recent position that followed it. Appending a token adds max_ngram entries (O(new tokens) per
+step, never a rescan); the n-grams ending at the last token are indexed one token late, so a
+lookup of the context's own suffix finds an *earlier* occurrence only.
+
+`propose(limit)`: the longest suffix (n from max_ngram down to 1) seen earlier proposes the
+tokens that followed it, up to k (the row's adaptive draft length, at most `limit`). A match
+whose continuation runs into the suffix itself repeats with its period (a loop keeps looping).
+
+Adaptive k (`feedback(drafted, accepted)` after each verification): k doubles (to the bound)
+when a whole draft is accepted, else becomes accepted + 1; an exponential average of the
+acceptance (weight `ALPHA` per verification) below `OFF_BELOW` turns the row off (k = 0), and
+every `PROBE_EVERY` proposals an off row probes with one token, so acceptance can recover.
+"""
+
+from __future__ import annotations
+
+ALPHA = 0.3  # weight of the latest verification in the acceptance average
+OFF_BELOW = 0.15  # acceptance average under which a row stops drafting
+PROBE_EVERY = 8  # an off row drafts one token every this many proposals
+
+
+class Drafter:
+    def __init__(self, tokens: list[int], max_tokens: int, max_ngram: int = 3):
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"spec_max_tokens must be a positive integer, got {max_tokens!r}")
+        if not isinstance(max_ngram, int) or max_ngram < 1:
+            raise ValueError(f"max_ngram must be a positive integer, got {max_ngram!r}")
+        self.max_tokens, self.max_ngram = max_tokens, max_ngram
+        self.k = max_tokens  # the next draft's length (0: off, probing)
+        self.acceptance = 1.0  # exponential average of accepted / drafted
+        self.drafted = self.accepted = 0  # totals over the sequence's life
+        self._idle = 0  # proposals since the last probe while off
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> the position that followed its latest occurrence
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append context tokens; each indexes the n-grams that end just before it (in bulk:
+        a 64K-token prompt indexes in ~0.2 s here, a decode step's few tokens in microseconds)."""
+        old = len(self.tokens)
+        self.tokens.extend(int(t) for t in tokens)
+        new, toks = len(self.tokens), self.tokens
+        for n in range(1, self.max_ngram + 1):
+            lo = max(old, n)  # the token at position i continues the n-gram toks[i - n:i]
+            if lo < new:
+                grams = zip(*(toks[lo - n + j:new - n + j] for j in range(n)))
+                self.index.update(zip(grams, range(lo, new)))  # later positions overwrite earlier
+
+    def sync(self, context: list[int]) -> None:
+        """Catch up with a sequence's tokens (`context`: its prompt + generated): only the new
+        ones are read; a shorter context (a rollback) truncates."""
+        if len(context) < len(self.tokens):
+            self.truncate(len(context))
+        self.extend(context[len(self.tokens):])
+
+    def sync_from(self, seq) -> None:
+        """`sync` from an engine Sequence, reading only its new tokens (`tokens_between`)."""
+        n, total = len(self.tokens), seq.num_tokens
+        if total < n:
+            self.truncate(total)
+            n = total
+        self.extend(seq.tokens_between(n, total))
+
+    def truncate(self, length: int) -> None:
+        """Forget the context from `length` on (a rare handoff rollback): the index is rebuilt."""
+        if length < len(self.tokens):
+            kept = self.tokens[:length]
+            self.tokens, self.index = [], {}
+            self.extend(kept)
+
+    def propose(self, limit: int) -> list[int]:
+        """Draft tokens to follow the context: at most min(k, limit); [] when none match, the row
+        is off (between probes) or limit < 1. Does not change the index."""
+        k = self.k
+        if k == 0:
+            self._idle += 1
+            if self._idle < PROBE_EVERY:
+                return []
+            self._idle, k = 0, 1
+        k = min(k, limit)
+        L = len(self.tokens)
+        if k < 1 or L < 1:
+            return []
+        for n in range(min(self.max_ngram, L), 0, -1):
+            s = self.index.get(tuple(self.tokens[L - n:]))
+            if s is not None and s < L:
+                period = L - s  # the continuation runs into the suffix: repeat what followed
+                return [self.tokens[s + j % period] for j in range(k)]
+        return []
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        """A verification of `drafted` tokens accepted the first `accepted`: adapt k."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"accepted {accepted} of {drafted} drafted tokens")
+        if drafted == 0:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        self.acceptance = (1 - ALPHA) * self.acceptance + ALPHA * accepted / drafted
+        if self.acceptance < OFF_BELOW:
+            self.k = 0
+        elif accepted == drafted:
+            self.k = min(self.max_tokens, max(1, 2 * drafted))
+        else:
+            self.k = min(self.max_tokens, accepted + 1)
+
+    def check_integrity(self) -> None:
+        """The index is exactly what a rescan of the context gives; k and the totals in bounds."""
+        expected: dict[tuple[int, ...], int] = {}
+        for i in range(1, len(self.tokens)):
+            for n in range(1, min(self.max_ngram, i) + 1):
+                expected[tuple(self.tokens[i - n:i])] = i
+        assert self.index == expected, "drafter index differs from a rescan of its context"
+        assert 0 <= self.k <= self.max_tokens, f"draft length {self.k} outside 0..{self.max_tokens}"
+        assert 0 <= self.accepted <= self.drafted, f"accepted {self.accepted} of {self.drafted} drafted"
