@@ -34,6 +34,7 @@ class Drafter:
         self.acceptance = 1.0  # exponential average of accepted / drafted
         self.drafted = self.accepted = 0  # totals over the sequence's life
         self._idle = 0  # proposals since the last probe while off
+        self.trimmed = 0  # proposals in a row the engine's cost rule dropped (speculate.worth_it)
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> the position that followed its latest occurrence
         self.extend(tokens)

@@ -40,6 +40,7 @@ first three to tell its followers first.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,7 @@ class PagedEngine(Engine):
         self._table_width = max(mp for _, _, mp, _ in self.stated)  # a Sequence's page_array length
         self.num_steps = 0
         self.spec_drafted = self.spec_accepted = 0  # draft tokens verified / accepted (speculate.py)
+        self.step_costs = speculate.StepCosts()  # decode-only step seconds by rows: what a draft costs
         self._multi_first = False  # the last step left a multi-token row out: those go first (buckets.step_order)
         self.last_shape: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # (T, B, MP, Q, rows) of the last step
 
@@ -211,7 +213,7 @@ class PagedEngine(Engine):
 
     def step(self) -> list[TokenEvent]:
         """Run one packed step over all sequences with pending tokens -> a TokenEvent per sampled row."""
-        S = self.config.page_size
+        S, t0 = self.config.page_size, time.perf_counter()
         self.step_rows = None  # set once the rows are chosen: what a failing step fails
         # choose: the rows of this step and the member of the stated shape set they pad to
         rows, self._multi_first = buckets.pack_rows(
@@ -221,9 +223,9 @@ class PagedEngine(Engine):
             return []
         self.step_rows = [seq.seq_id for seq, _ in rows]  # row order: the sequences a failing step fails
         # drafts (speculative decoding): a drafted decode row runs as its k + 1 positions
+        speculates = config_speculates(self.config)
         drafts = speculate.plan(rows, self.config.max_rows, self.config.max_step_tokens,
-                                self.config.spec_max_tokens) \
-            if config_speculates(self.config) else {}
+                                self.config.spec_max_tokens, self.step_costs) if speculates else {}
         run_rows, first = speculate.expand(rows, drafts) if drafts else (rows, range(len(rows)))
         width = max(pages_needed(seq.pages.num_tokens + n, S) for seq, n in run_rows)  # the widest page table
         shape = buckets.fit(self.shapes, sum(n for _, n in run_rows), len(run_rows), width,
@@ -241,6 +243,8 @@ class PagedEngine(Engine):
                 seq.pages.num_tokens += n
         # update: each sampled row's token recorded (np.asarray waits for the step)
         tokens = np.asarray(tokens)
+        if speculates and shape[3] == 1 and self.step_costs is not None:  # a decode-only step, by rows
+            self.step_costs.observe(shape[1], time.perf_counter() - t0)
         asked = [r for r, (seq, _) in enumerate(run_rows) if sample_rows[r] and seq.params.logprobs]
         lp = jax.device_get(lp) if asked else None  # fetched only when a row wants them
         events = []

@@ -24,8 +24,14 @@ the radix cache only ever takes full pages below that length).
 
 from __future__ import annotations
 
+import collections
+import statistics
+
+from pddjax.engines.buckets import row_bucket
 from pddjax.engines.drafter import Drafter
 from pddjax.engines.engine_api import TokenEvent
+
+TRIMMED_PROBE_EVERY = 32  # a row whose drafts the cost rule keeps dropping still verifies one this often
 
 
 class _Pages:
@@ -66,10 +72,67 @@ def new_drafter(seq, max_tokens: int) -> Drafter:
     return Drafter(seq.all_tokens(), max_tokens)
 
 
-def plan(rows, max_rows: int, max_step_tokens: int, spec_max_tokens: int) -> dict[int, list[int]]:
+class StepCosts:
+    """Measured wall seconds of decode-only steps by the row count B of their member: the median
+    of the last few (a first use's compile is one outlier among them, not an average's weight)."""
+
+    def __init__(self, keep: int = 9):
+        self.keep = keep
+        self.samples: dict[int, collections.deque] = {}  # B -> recent step seconds
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.samples.setdefault(rows, collections.deque(maxlen=self.keep)).append(seconds)
+
+    def get(self, rows: int) -> float | None:
+        """The typical step of `rows` rows (padded to its bucket), None before one was measured."""
+        got = self.samples.get(row_bucket(rows))
+        return statistics.median(got) if got else None
+
+
+def worth_it(drafts: dict[int, list[int]], rows, costs: StepCosts | None) -> dict[int, list[int]]:
+    """Keep the drafts that raise the step's expected tokens per second. Each draft is one more
+    row, and a row's j-th draft yields a token only if the j before it were accepted (probability
+    acceptance^j, the row's running acceptance). Rows of higher acceptance choose first, each the
+    number of its drafts j that maximises (tokens expected + its gains) / cost(rows + j), with
+    costs measured per row bucket; j = 0 when no j beats the step without them. A step size not
+    measured yet keeps the drafts (so it gets measured). On a CPU a decode step of 2 rows costs
+    up to twice one of 1 (matrix-vector vs matrix-matrix products), so a lone row drafts only
+    while it copies well; a row dropped TRIMMED_PROBE_EVERY times in a row verifies one draft."""
+    if costs is None or not drafts:
+        return drafts
+    n, expected, out = len(rows), float(len(rows)), {}
+    for r in sorted(drafts, key=lambda r: -rows[r][0].drafter.acceptance):
+        drafter = rows[r][0].drafter
+        a = min(max(drafter.acceptance, 0.0), 0.999)
+        now, keep, best, gains, gain = costs.get(n), 0, 0.0, 0.0, 1.0
+        for j in range(1, len(drafts[r]) + 1):
+            gain *= a
+            gains += gain
+            after = costs.get(n + j)
+            if now is None or after is None:
+                keep = len(drafts[r])
+                break
+            rate = (expected + gains) / after
+            if rate > max(best, expected / now):
+                keep, best = j, rate
+        if not keep:
+            drafter.trimmed += 1
+            if drafter.trimmed < TRIMMED_PROBE_EVERY:
+                continue
+            keep = 1  # a probe, so a row that starts copying is seen
+        drafter.trimmed = 0
+        out[r] = drafts[r][:keep]
+        n += keep
+        expected += sum(a ** i for i in range(1, keep + 1))
+    return out
+
+
+def plan(rows, max_rows: int, max_step_tokens: int, spec_max_tokens: int,
+         costs: StepCosts | None = None) -> dict[int, list[int]]:
     """Drafts for a step of `rows` [(Sequence, tokens)] -> {row index: drafts}; {} unless every
     row decodes its last token. Rows and tokens stay within the engine's limits (each draft is
-    one more row); no row drafts past its max_tokens."""
+    one more row); no row drafts past its max_tokens; with `costs`, only drafts that pay for
+    their rows (`worth_it`)."""
     if any(n != 1 or seq.num_pending != 1 for seq, n in rows):
         return {}
     room = min(max_rows, max_step_tokens) - len(rows)
@@ -85,7 +148,7 @@ def plan(rows, max_rows: int, max_step_tokens: int, spec_max_tokens: int) -> dic
         if drafts:
             out[r] = drafts
             room -= len(drafts)
-    return out
+    return worth_it(out, rows, costs)
 
 
 def expand(rows, drafts: dict[int, list[int]]) -> tuple[list, list[int]]:

@@ -2,6 +2,7 @@
 
 - `bench serve` (serving/bench/serve/command.py): the agentic trace through pdd, pd-cross, pd-local.
 - `bench serving` (serving/bench/load/command.py): N concurrent streams per pipeline vs the engine alone.
+- `bench speculative` (serving/bench/speculative/command.py): prompt-lookup speculation on vs off.
 - `bench kv-quality` (serving/bench/kv/quality.py): each KV wire format's cost, teacher-forced.
 - `bench kv-tp` (serving/bench/kv/tp.py): KV bytes moved per token between tensor-parallel degrees.
 - `bench reference`: real-model load time (GGUF cold vs the weights cache), prefill tokens/s at a
@@ -33,10 +34,11 @@ def register(sub) -> None:
     from serving.bench.kv import tp as kv_tp
     from serving.bench.load import command as serving_load
     from serving.bench.serve import command as serve
+    from serving.bench.speculative import command as speculative
     from serving.bench.startup import command as startup
     from serving.cli import bench_engine
 
-    for module in (bench_engine, handoff, serve, kv_quality, kv_tp, serving_load, startup):
+    for module in (bench_engine, handoff, serve, kv_quality, kv_tp, serving_load, speculative, startup):
         module.register(bsub)
 
 

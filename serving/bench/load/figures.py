@@ -88,7 +88,7 @@ def explain_mismatches(fig: dict, model, prompts: list[list[int]]) -> None:
     fig["near_ties"] = sum(m < TIE_MARGIN for _, _, m in margins)
 
 
-def _exact(f: dict) -> str:
+def exact_label(f: dict) -> str:
     ties = f" ({f['near_ties']} at a near-tie)" if f.get("near_ties") else ""
     return f"{f['exact']}{ties}"
 
@@ -174,7 +174,7 @@ def markdown(res: dict) -> str:
             lines.append(f"| {p} | {n} | {f['tokens_per_s']} | {e} | {res['ratios'][p][n]} | {_pp(f['ttft_ms'])} | "
                          f"{itl} | {_p2(f.get('message_itl_ms'))} | {_p2(f.get('tpot_ms'))} | "
                          f"{f['max_gap_ms']['max']} | {_pp(f['e2e_ms'])} | "
-                         f"{_exact(f)} ({f['completed']}/{f['streams']}) | {f['tokens_per_message']} |")
+                         f"{exact_label(f)} ({f['completed']}/{f['streams']}) | {f['tokens_per_message']} |")
     if "pdd_over_pd_local" in res["ratios"]:
         lines.append(f"\npdd / pd-local tokens/s: {res['ratios']['pdd_over_pd_local']}")
     lines += ["", "CPU us per output token (the engine alone: 1e6 / its decode tok/s):"]
@@ -189,7 +189,7 @@ def markdown(res: dict) -> str:
         for p, per in res["burst"].items():
             for n, f in per.items():
                 waits = ", ".join(f"{t} {w['waited']}/{w['count']} {w['mean_s']}" for t, w in f["page_wait"].items())
-                lines.append(f"| {n} | {p} | {f['max_tokens']} | {f['completed']}/{f['streams']} | {_exact(f)} | "
+                lines.append(f"| {n} | {p} | {f['max_tokens']} | {f['completed']}/{f['streams']} | {exact_label(f)} | "
                              f"{f['refused']} | {_pp(f['ttft_ms'])} | {_pp(f['e2e_ms'])} | {waits or '-'} |")
     lines.append(f"\nload average before / after: {res['load_avg']['before']} / {res['load_avg'].get('after')}")
     return "\n".join(lines)

@@ -411,12 +411,17 @@ def test_prefill_killed_router_retries_then_unavailable(stack, ref):
         kill, load = _kill_after(stack, "P", 1), []
 
         def on_message(r):
+            if getattr(r, "killed", None):
+                return
             kill(r)
-            if getattr(r, "killed", None) and not load:  # once the router has retried: the replacement carries the load
-                st = stack.stats()
-                if st["counters"].get("retry.prefill"):
-                    load.extend(i["inflight"] for i in st["instances"]
-                                if i["role"] == "prefill" and i["address"] != r.killed)
+            if getattr(r, "killed", None):  # poll the router at once: messages not yet read lag the stream
+                deadline = time.monotonic() + 10
+                while not load and time.monotonic() < deadline:
+                    st = stack.stats()
+                    if st["counters"].get("retry.prefill"):  # retried: the replacement carries the load
+                        load.extend(i["inflight"] for i in st["instances"]
+                                    if i["role"] == "prefill" and i["address"] != r.killed)
+                    time.sleep(0.01)
         r = run(stack, make_request(p, max_tokens=300, pipeline="pdd", ignore_eos=True), on_message=on_message)
     finally:
         stack.set_links()
