@@ -10,6 +10,10 @@ machine's cores: the step times then show the overhead of the split, not its spe
 `collectives`: the all-reduces, all-gathers, ... in the compiled HLO of the decode step of the
 smallest batch and the extend step of the longest extend, counted as written (`static`) and as
 run per step (`per_step`: the layer loop's body once per layer).
+
+`machine` and `roofline` (serving/bench/roofline.py): this machine's read bandwidth and matmul
+peak, measured before and after the steps (the best of both kept), and every step's floor under
+them with `fraction` = measured / floor; the table is printed after the JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 
 from pddjax.errors import UserError
 from pddjax.report import write_figures
+from serving.bench import roofline
 
 CONTEXT = 256
 
@@ -85,6 +90,7 @@ def run(args) -> int:
         eng = PagedEngine(cfg, model.weights, model.fingerprint, ecfg, grammar=grammar)
     except ValueError as e:  # a degree the model does not admit, or too few devices
         raise UserError(str(e)) from None
+    before_limits = roofline.machine_limits()
     collective_shapes = {}  # "decode" / "extend" -> the step shape whose HLO is counted
     greedy = SamplingParams()
 
@@ -159,7 +165,12 @@ def run(args) -> int:
     figures["collectives"] = {what: {"shape": list(shape), **_collectives(eng, shape)}
                               for what, shape in collective_shapes.items()}
     eng.check_integrity()
+    after = roofline.machine_limits()
+    limits = {k: max(before_limits[k], after[k]) for k in after}
+    figures["machine"] = {**limits, "before": before_limits, "after": after}
+    figures["roofline"] = roofline.roofline(figures, cfg, 2 if args.dtype == "bfloat16" else 4, limits, CONTEXT)
     write_figures(figures, args.json)
+    print(roofline.table(figures["roofline"]))
     return 0
 
 

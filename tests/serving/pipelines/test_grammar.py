@@ -198,3 +198,37 @@ def test_tools_render_through_the_template_and_bad_tools_are_refused(chat_client
     with pytest.raises(RouterError) as e:
         chat_client.generate(make_request(chat=orphan, max_tokens=4, tools=[WEATHER]), timeout=60)
     assert "answers no earlier assistant tool call" in str(e.value)
+
+
+def test_nothing_compiles_after_serving_with_constrained_penalised_and_logprob_rows(stack, chat_client, chat_ref,
+                                                                                     chat_model):
+    """Last in this module, so every constrained request above counts too: constrained,
+    penalised (with a logit bias) and logprob rows decoding side by side with plain ones, on
+    every pipeline, build no step shape after SERVING on any engine service (the token mask and
+    the penalty tables are arguments of every stated member, never a new variant)."""
+    import concurrent.futures
+
+    from tests.support.stack_checks import gauge
+
+    spec = GrammarSpec.json_schema(NOTE)
+    mixed = dict(presence_penalty=0.5, frequency_penalty=0.3, logit_bias={7: 2.0}, logprobs=True, top_logprobs=3)
+    jobs = [(f"mix {i}", pipe, kw) for i, (pipe, kw) in enumerate([
+        ("pdd", {"grammar": (spec.kind, spec.text)}), ("pd-local", mixed), ("pd-cross", {}),
+        ("pdd", mixed), ("pd-local", {"grammar": (spec.kind, spec.text), **SEEDED}), ("pd-cross", mixed)])]
+
+    def run(job):
+        text, pipe, kw = job
+        p = chat_model.tokenizer.encode_chat([{"role": "user", "content": text}])
+        return chat_client.generate(make_request(p, max_tokens=60, pipeline=pipe, **kw), timeout=240)
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:  # at once: the rows share steps
+        results = list(pool.map(run, jobs))
+    assert all(r.token_ids for r in results)
+    assert all(len(r.logprobs) == len(r.token_ids) for r, (_, _, kw) in zip(results, jobs) if kw is mixed)
+    import time
+
+    time.sleep(1.0)  # the engine threads publish their gauges when idle
+    for child in stack.children:
+        if child.role != "router":
+            assert gauge(child.metrics, "pddjax_jit_compiles") > 0, child.role
+            assert gauge(child.metrics, "pddjax_jit_compiles_after_ready") == 0, child.role
