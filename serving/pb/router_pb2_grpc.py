@@ -5,7 +5,7 @@ import warnings
 
 from serving.pb import router_pb2 as pddjax_dot_v1_dot_router__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -1,6 +1,7 @@
 """Checks against a running stack: every tier idle (no request, no page, no integrity error), the
 engines' `pddjax_kv_pages_active` gauges at zero, one Prometheus gauge or every sample read from a
-/metrics URL, the router's Stats; waiting for a condition."""
+/metrics URL, the router's Stats; waiting for a condition; a pdd request whose switch to MD is
+forced after RLD streamed a given number of tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import urllib.request
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from pddjax.wan.emulator import A_TO_B
 from serving.pb import cluster_pb2, cluster_pb2_grpc, router_pb2, router_pb2_grpc
 
 
@@ -76,3 +78,20 @@ def router_stats(address: str) -> dict:
     """The router's Stats (instances, links, counters, admission) at its gRPC `address`."""
     with grpc.insecure_channel(address) as ch:
         return json.loads(router_pb2_grpc.RouterStub(ch).Stats(router_pb2.StatsRequest(), timeout=10).json)
+
+
+def generate_switching_after(stack, client, req, tokens: int):
+    """Generate with MD's KV held on the A -> B link (blackholed: held, not lost) until RLD has
+    streamed `tokens`: then it lands, and the stream moves to MD a few tokens later."""
+    emulator, seen = stack.link.link.emulator, [0]
+
+    def on_tokens(msg):
+        seen[0] += len(msg.token_ids)
+        if seen[0] >= tokens:
+            emulator.clear_faults()
+
+    emulator.inject(A_TO_B, blackhole=True)
+    try:
+        return client.generate(req, timeout=240, on_tokens=on_tokens)
+    finally:
+        emulator.clear_faults()

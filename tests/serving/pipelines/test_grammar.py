@@ -21,11 +21,11 @@ from pddjax.engines.reference import ReferenceEngine
 from pddjax.grammar.spec import GrammarSpec
 from pddjax.model.registry import load_model
 from pddjax.model.sampling_params import SamplingParams
-from pddjax.wan.emulator import A_TO_B
 from serving.client import Client, make_request
 from serving.engine.grammars import compiler_for
 from tests.support.chat_model import write_model
 from tests.support.serving_stack import Stack
+from tests.support.stack_checks import generate_switching_after
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -61,23 +61,6 @@ def chat_client(stack):
     c = Client(stack.addr["router"])
     yield c
     c.close()
-
-
-def generate_switching_after(stack, client, req, tokens: int):
-    """Generate with MD's KV held on the A -> B link (blackholed: held, not lost) until RLD has
-    streamed `tokens`: then it lands, and the stream moves to MD a few tokens later."""
-    emulator, seen = stack.link.link.emulator, [0]
-
-    def on_tokens(msg):
-        seen[0] += len(msg.token_ids)
-        if seen[0] >= tokens:
-            emulator.clear_faults()
-
-    emulator.inject(A_TO_B, blackhole=True)
-    try:
-        return client.generate(req, timeout=240, on_tokens=on_tokens)
-    finally:
-        emulator.clear_faults()
 
 
 def check_note(text: str) -> dict:
