@@ -109,6 +109,8 @@ JIT_CACHE_DIR = _knob("JIT_CACHE_DIR", "path", None,
 # ---- engines (pddjax.engines) ---------------------------------------------------------------
 STEP_EXECUTABLES = _knob("STEP_EXECUTABLES", "int", 128,
                          "compiled step variants held in memory at most (precompile raises it to its set)")
+BACKGROUND_BUILD = _knob("BACKGROUND_BUILD", "flag", True,
+                          "0: under ready \"cover\" a service serves on its covering set, never building the rest")
 MULTIHOST_PORT = _knob("MULTIHOST_PORT", "port", None,
                        "a multi-host leader's op channel port (unset: any free one, told to the followers)")
 HEARTBEAT_SECONDS = _knob("HEARTBEAT_SECONDS", "int", 30,

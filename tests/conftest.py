@@ -1,11 +1,20 @@
-"""Shared fixtures. JAX's persistent compilation cache is on, so reruns reuse compiled code."""
+"""Shared fixtures. JAX's persistent compilation cache is on, so reruns reuse compiled code.
+
+Every engine and service the suite starts (in this process or as a child, which inherits the
+environment) serves on its covering set of step shapes and builds no more
+(PDDJAX_BACKGROUND_BUILD=0): the rest of a set costs a stack start its tracing, lowering and, on an
+empty cache, compiles, and no test needs it; tests/engines/test_background_build.py turns it back on."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from pddjax import env
 from pddjax.model.jax_setup import configure
 
+os.environ.setdefault(env.BACKGROUND_BUILD.name, "0")
 configure()
 
 

@@ -12,7 +12,8 @@ stays 0 (serving/engine/worker.py). The step executable LRU is raised to hold th
   `BackgroundBuild` compiles the rest in a thread at a lower CPU priority, the KV buckets first,
   then the members cheapest first (the small decode steps a light load runs), each member
   joining `engine.shapes` once built; a step always takes the best member already built, a KV
-  copy the smallest bucket built that holds its run.
+  copy the smallest bucket built that holds its run. With PDDJAX_BACKGROUND_BUILD=0 the rest is
+  never built (the test suite's stacks, quick development runs): steps pad into the covering set.
 Each member is built under its program's lock (engines/build_locks.py): services that run the
 same programs split the compiles between them and read each other's from the cache.
 A tensor-parallel engine builds the same set, each member its sharded executable
@@ -28,6 +29,7 @@ import time
 
 import numpy as np
 
+from pddjax import env
 from pddjax.engines import buckets, startup_clock, step
 from pddjax.engines.build_locks import BuildLocks, build_in_turn
 from pddjax.kv import copies
@@ -103,7 +105,7 @@ def precompile(engine, ready: str = "all", clock=None) -> tuple[int, float]:
         for n in kv_first:
             build_kv(pool, n)
     rest, kv_rest = [s for s in engine.stated if s not in first], [n for n in kv if n not in kv_first]
-    if rest or kv_rest:
+    if (rest or kv_rest) and env.BACKGROUND_BUILD.get():
         engine.background = BackgroundBuild(engine, rest, kv=(pool, kv_rest))
     return len(first) + 2 * len(kv_first), time.perf_counter() - t0
 

@@ -1,7 +1,8 @@
 """Serving before the whole shape set is built (`precompile(engine, "cover")`): the covering
 set holds every step the scheduler can form, an engine on it alone is exact against the
 monolithic reference, the background build adds the rest one by one (cheapest first) until the
-engine runs the whole stated set, and nothing compiles on the request path meanwhile."""
+engine runs the whole stated set, and nothing compiles on the request path meanwhile; with
+PDDJAX_BACKGROUND_BUILD=0 (what the rest of the suite runs) the engine stays on the cover."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 
 import pytest
 
+from pddjax import env
 from pddjax.engines import buckets, precompile
 from pddjax.engines.engine_config import EngineConfig
 from pddjax.engines.paged_engine import PagedEngine
@@ -29,6 +31,12 @@ CONFIGS = {"tiny": (EngineConfig(page_size=16, num_pages=256, max_step_tokens=12
            "relay": (EngineConfig(page_size=16, num_pages=256, max_step_tokens=256, max_rows=16), SMOLLM2_135M),
            "no pad limit": (EngineConfig(page_size=16, num_pages=256, max_step_tokens=128, max_rows=8, pad_limit=0),
                             TINY)}
+
+
+@pytest.fixture(autouse=True)
+def background_build_on(monkeypatch):
+    """tests/conftest.py turns the background build off for the suite; this module tests it."""
+    monkeypatch.setenv(env.BACKGROUND_BUILD.name, "1")
 
 
 class Row:
@@ -123,6 +131,21 @@ def test_an_engine_serves_on_the_cover_while_the_rest_builds_then_on_the_whole_s
     assert used - set(cover), "the whole set built, yet every step still took a covering member"
     assert compile_count() + compiled_variants() == before + eng.background.variants_built  # the builder's only
     assert foreground_compiles() == foreground  # every one of them counted as the builder's
+
+
+def test_with_the_background_build_off_the_engine_serves_exact_on_the_cover_alone(tiny, monkeypatch):
+    monkeypatch.setenv(env.BACKGROUND_BUILD.name, "0")
+    config, _ = CONFIGS["tiny"]
+    eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, config)
+    eng.precompile("cover")
+    cover = buckets.covering_set(eng.stated)
+    assert eng.background is None and eng.shapes == cover != eng.stated
+    before, foreground = compile_count() + compiled_variants(), foreground_compiles()
+    jobs = {f"r{i}": (prompt(n, i), SEEDED if i % 2 else GREEDY) for i, n in enumerate([3, 17, 40, 90, 150, 7])}
+    used: set = set()
+    run(eng, ref=ReferenceEngine(tiny.config, tiny.weights), jobs=jobs, used=used)
+    assert used <= set(cover) and len(used) > 1, used
+    assert compile_count() + compiled_variants() == before and foreground_compiles() == foreground
 
 
 def foreground_compiles() -> int:

@@ -13,9 +13,11 @@ prefills untimed, then its decode is timed to the last token:
                `mismatch_margins` (the dense reference's top-1 minus top-2 logit there: a verify
                step sums in another order than a plain one, so a float near-tie can flip)
 
-A first round of every cell runs unmeasured (it compiles what the measured round will use),
-so `compiles_measured` must read 0; the modes alternate their order per cell. The engine steps
-run in this process: a cell measures the engine, not a stack (`bench serve` does that).
+Every decode member up to the longest request's page-table width is built first (how many rows a
+step has depends on the drafts the timed cost rule keeps), and a first round of every cell runs
+unmeasured (it compiles what else the measured round will use), so `compiles_measured` must
+read 0; the modes alternate their order per cell. The engine steps run in this process: a cell
+measures the engine, not a stack (`bench serve` does that).
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def run(args) -> int:
 
     from pddjax.engines.engine_config import EngineConfig
     from pddjax.engines.paged_engine import PagedEngine
+    from pddjax.engines.precompile import build_shape
     from pddjax.engines.step import compile_count
     from pddjax.model.gguf_meta import GGUFError
     from pddjax.model.registry import ModelNotFound, load_model
@@ -136,6 +139,10 @@ def run(args) -> int:
     eng = PagedEngine(model.config, model.weights, model.fingerprint, ecfg)
     figures = {"model": model.config.name, "backend": jax.default_backend(), "spec_max_tokens": args.spec_max_tokens,
                "max_tokens": args.max_tokens, "workloads": {}}
+    widest = min(mp for _, _, mp, _ in eng.stated if mp * S >= longest)
+    for shape in eng.stated:  # which decode members a step takes depends on the drafts the timed
+        if shape[3] == 1 and shape[2] <= widest:  # cost rule keeps, so every one is built first
+            build_shape(eng, shape)
     cells = [(w, s) for w in names for s in streams]
     for w, s in cells:  # warm-up: every shape the measured round takes is compiled here
         _cell(eng, workloads[w], s, False, f"warm-{w}-{s}")
