@@ -4,7 +4,8 @@
 engine's grammar spec), or None when nothing is forced ("none", "auto"). The call's frame is Lark
 text, each function's arguments an inline `%json { parameters }` rule of its own, so a schema's
 `$ref`s resolve against its own root and the arguments validate against the tool's `parameters`
-(a tool without `parameters` takes `{}`). The JSON is written compactly the way the families'
+(a tool without `parameters` takes `{}`; objects that do not say otherwise take no keys beyond
+their `properties`, `_closed`). The JSON is written compactly the way the families'
 templates write calls (`", "` and `": "`, no other whitespace), which also keeps a weak model from
 padding it with whitespace.
 
@@ -51,8 +52,31 @@ def _literal(text: str, special_ids: dict[str, int]) -> str:
     return " ".join(parts)
 
 
+def _closed(schema):
+    """`schema` with every object that lists `properties` and says nothing of
+    `additionalProperties` closed to them (`additionalProperties: false`), through nested
+    properties, items, combinators and definitions: a forced call of a weak model can otherwise
+    invent keys until max_tokens ends it (xgrammar's strict mode, vLLM's and SGLang's default, does
+    the same)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties"):
+            out[key] = {k: _closed(v) for k, v in value.items()} if isinstance(value, dict) else value
+        elif key in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties", "not"):
+            out[key] = _closed(value)
+        else:
+            out[key] = value
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _arguments_schema(fn: dict) -> dict:
-    params = fn.get("parameters") or NO_PARAMETERS
+    params = _closed(fn.get("parameters") or NO_PARAMETERS)
     return {**params, "x-guidance": JSON_STYLE}
 
 

@@ -131,6 +131,7 @@ def test_langchain_bind_tools_and_structured_output_on_pdd(up):
     with_tools = llm.bind_tools([add], tool_choice="add")
     question = HumanMessage("What is 2 + 3?")
     reply = with_tools.invoke([question])
+    assert len(reply.tool_calls) == 1, (reply.content, reply.invalid_tool_calls, reply.response_metadata)
     (call,) = reply.tool_calls
     assert call["name"] == "add" and set(call["args"]) == {"a", "b"}, call
     answer = add.invoke(call["args"])

@@ -92,3 +92,17 @@ def test_the_grammar_accepts_calls_valid_against_the_schema(matcher_for, family)
     got = parsers.parse(family, two, names={"get_weather", "noop"})
     assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [("get_weather", WEATHER), ("noop", {})]
     assert got.content == ""
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3"])
+def test_objects_that_leave_extra_keys_unstated_take_none_in_a_forced_call(matcher_for, family, monkeypatch):
+    """LangChain's and the Agents SDK's tools often omit additionalProperties; a forced call must
+    still end when the stated keys are written, nested objects too (not when max_tokens cuts it)."""
+    open_tool = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"},
+                                         "opts": {"type": "object", "properties": {"round": {"type": "boolean"}}}},
+        "required": ["a"]}}}]
+    monkeypatch.setitem(globals(), "TOOLS", open_tool)  # what grammar() compiles
+    assert matcher_for(family, REQUIRED, calls_text(family, [("add", {"a": 1, "opts": {"round": True}})]))
+    for args in ({"a": 1, "b": 2}, {"a": 1, "opts": {"round": True, "mode": "up"}}):
+        assert not matcher_for(family, REQUIRED, calls_text(family, [("add", args)])), args
