@@ -55,7 +55,8 @@ def _literal(text: str, special_ids: dict[str, int]) -> str:
 def _closed(schema):
     """`schema` with every object that lists `properties` and says nothing of
     `additionalProperties` closed to them (`additionalProperties: false`), through nested
-    properties, items, combinators and definitions: a forced call of a weak model can otherwise
+    properties, items, combinators and definitions (not inside `not`, where closing would widen
+    what the schema accepts): a forced call of a weak model can otherwise
     invent keys until max_tokens ends it (xgrammar's strict mode, vLLM's and SGLang's default, does
     the same)."""
     if isinstance(schema, list):
@@ -66,7 +67,7 @@ def _closed(schema):
     for key, value in schema.items():
         if key in ("properties", "$defs", "definitions", "patternProperties"):
             out[key] = {k: _closed(v) for k, v in value.items()} if isinstance(value, dict) else value
-        elif key in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties", "not"):
+        elif key in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties"):
             out[key] = _closed(value)
         else:
             out[key] = value

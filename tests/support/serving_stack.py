@@ -50,7 +50,7 @@ class Stack:
                 json.dump(stack, f)
             self.children = [spawn(r, cfg, workdir, log=self.log) for r in ("prefill", "relay", "main")]
             asyncio.run(wait_ready(self.children, timeout))
-            wait_built({c.role: c.metrics for c in self.children}, timeout)  # none left (suite: none)
+            wait_built({c.role: c.metrics for c in self.children}, timeout)  # the suite builds no rest: returns at once
             self.addr = {c.role: c.address for c in self.children}
             self.link = LinkThread(self.addr["main"])
             rstack = {**stack, "router": {**stack.get("router", {}), "prefill": self.addr["prefill"],

@@ -139,7 +139,7 @@ def run(args) -> int:
     eng = PagedEngine(model.config, model.weights, model.fingerprint, ecfg)
     figures = {"model": model.config.name, "backend": jax.default_backend(), "spec_max_tokens": args.spec_max_tokens,
                "max_tokens": args.max_tokens, "workloads": {}}
-    widest = min(mp for _, _, mp, _ in eng.stated if mp * S >= longest)
+    widest = min((mp for _, _, mp, _ in eng.stated if mp * S >= longest), default=max(s[2] for s in eng.stated))
     for shape in eng.stated:  # which decode members a step takes depends on the drafts the timed
         if shape[3] == 1 and shape[2] <= widest:  # cost rule keeps, so every one is built first
             build_shape(eng, shape)

@@ -34,8 +34,8 @@ def calls_text(family, calls):
     return "[TOOL_CALLS][" + ", ".join(objs) + "]"
 
 
-def grammar(family, choice):
-    kind, text = call_grammar(family, TOOLS, check_tools(TOOLS, *choice))
+def grammar(family, choice, tools=TOOLS):
+    kind, text = call_grammar(family, tools, check_tools(tools, *choice))
     assert kind == "lark"
     return text
 
@@ -66,8 +66,8 @@ def matcher_for(tmp_path_factory):
     path.write_text(tok.tok.to_str())
     lltok = llg.LLTokenizer(str(path))
 
-    def accepts(family, choice, text) -> bool:
-        compiled = llg.LLMatcher.grammar_from_lark(grammar(family, choice))
+    def accepts(family, choice, text, tools=TOOLS) -> bool:
+        compiled = llg.LLMatcher.grammar_from_lark(grammar(family, choice, tools))
         assert llg.LLMatcher.validate_grammar(compiled, lltok) == ""
         matcher = llg.LLMatcher(lltok, compiled)
         ids = lltok.tokenize_str(text)
@@ -95,14 +95,13 @@ def test_the_grammar_accepts_calls_valid_against_the_schema(matcher_for, family)
 
 
 @pytest.mark.parametrize("family", ["hermes", "llama3"])
-def test_objects_that_leave_extra_keys_unstated_take_none_in_a_forced_call(matcher_for, family, monkeypatch):
+def test_objects_that_leave_extra_keys_unstated_take_none_in_a_forced_call(matcher_for, family):
     """LangChain's and the Agents SDK's tools often omit additionalProperties; a forced call must
     still end when the stated keys are written, nested objects too (not when max_tokens cuts it)."""
     open_tool = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"},
                                          "opts": {"type": "object", "properties": {"round": {"type": "boolean"}}}},
         "required": ["a"]}}}]
-    monkeypatch.setitem(globals(), "TOOLS", open_tool)  # what grammar() compiles
-    assert matcher_for(family, REQUIRED, calls_text(family, [("add", {"a": 1, "opts": {"round": True}})]))
+    assert matcher_for(family, REQUIRED, calls_text(family, [("add", {"a": 1, "opts": {"round": True}})]), open_tool)
     for args in ({"a": 1, "b": 2}, {"a": 1, "opts": {"round": True, "mode": "up"}}):
-        assert not matcher_for(family, REQUIRED, calls_text(family, [("add", args)])), args
+        assert not matcher_for(family, REQUIRED, calls_text(family, [("add", args)]), open_tool), args
