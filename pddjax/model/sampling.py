@@ -65,6 +65,17 @@ def _gumbel(seed, step, V: int):
     return jax.random.gumbel(jax.random.fold_in(jax.random.PRNGKey(seed), step), (V,), jnp.float32)
 
 
+def argmax(x):
+    """x: [B, V] -> [B] int32, each row's first index of its largest value: `jnp.argmax`'s answer
+    from two plain reductions (the max, then the smallest index holding it), which XLA:CPU
+    vectorizes; its fused (value, index) reduction ran ~10x slower here ([32, 49152]: 11.8 ms
+    against 1.3; [64, 512]: 330 us against 30). A row with NaN gets V - 1 (never out of range)."""
+    V = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)  # [B, 1]
+    first = jnp.min(jnp.where(x == top, jnp.arange(V, dtype=jnp.int32), V), axis=-1)  # [B]
+    return jnp.minimum(first, V - 1)
+
+
 def sample(logits, seeds, steps, temperature, top_k, top_p, *, greedy_only: bool = False):
     """logits: [B, V] float32; seeds, steps, top_k: [B] int32; temperature, top_p: [B] float32
     -> tokens [B] int32. `steps[b]` is the output position being sampled (0 = first token).
@@ -77,15 +88,15 @@ def sample(logits, seeds, steps, temperature, top_k, top_p, *, greedy_only: bool
     inverse-CDF draw over the cumulative sum changed in ~1 in 70 (tests/model/test_sampling.py).
     The top-k / top-p bisection runs only in steps where some row filters (`lax.cond`)."""
     if greedy_only:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     B, V = logits.shape
     logits = logits.astype(jnp.float32)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]  # [B, V]
     keep = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), lambda: jax.vmap(_kept)(scaled, top_k, top_p),
                         lambda: jnp.ones((B, V), bool))  # [B, V]
     noise = jax.vmap(lambda seed, step: _gumbel(seed, step, V))(seeds, steps)  # [B, V]
-    sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    sampled = argmax(jnp.where(keep, scaled + noise, -jnp.inf))
+    return jnp.where(temperature > 0, sampled, argmax(logits))
 
 
 def logprobs(logits, tokens):

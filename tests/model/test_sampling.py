@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pddjax.model.sampling import sample
+from pddjax.model.sampling import argmax, sample
 from pddjax.model.sampling_params import SamplingParams
 
 sample_jit = jax.jit(sample)
@@ -72,6 +72,22 @@ def test_greedy_and_degenerate_filters_equal_argmax():
     assert (_sample(logits, 3, 0, temp=0.0) == argmax).all()
     assert (_sample(logits, 3, 0, temp=1.0, k=1) == argmax).all()
     assert (_sample(logits, 3, 0, temp=1.0, p=1e-6) == argmax).all()
+
+
+def test_argmax_is_numpys_first_index_of_the_largest():
+    """Ties (the first wins), a row of -inf, a row holding +inf, small and wide vocabularies."""
+    rng = np.random.default_rng(5)
+    for B, V in ((7, 3), (16, 512), (4, 49152)):
+        x = rng.integers(-3, 3, (B, V)).astype(np.float32)  # many ties
+        x[0] = -np.inf
+        x[1, V // 2] = np.inf
+        x[2] = rng.standard_normal(V).astype(np.float32)
+        got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    nan = np.zeros((1, 10), np.float32)
+    nan[0, 3] = np.nan
+    assert 0 <= int(argmax(jnp.asarray(nan))[0]) < 10  # never an out-of-vocabulary id
 
 
 def test_top_k_limits_support():
