@@ -111,6 +111,8 @@ STEP_EXECUTABLES = _knob("STEP_EXECUTABLES", "int", 128,
                          "compiled step variants held in memory at most (precompile raises it to its set)")
 BACKGROUND_BUILD = _knob("BACKGROUND_BUILD", "flag", True,
                           "0: under ready \"cover\" a service serves on its covering set, never building the rest")
+FUSE_PROJECTIONS = _knob("FUSE_PROJECTIONS", "flag", True,
+                         "0: engines at one device keep q / k / v and gate / up as separate matrices (A/B runs)")
 MULTIHOST_PORT = _knob("MULTIHOST_PORT", "port", None,
                        "a multi-host leader's op channel port (unset: any free one, told to the followers)")
 HEARTBEAT_SECONDS = _knob("HEARTBEAT_SECONDS", "int", 30,

@@ -110,7 +110,7 @@ class ReferenceEngine:
         self.cfg = cfg
         self.grammar = grammar  # a pddjax.grammar.compiler.GrammarCompiler (None: constrained requests refused)
         self.dtype = jnp.dtype(dtype)
-        self.weights = wmod.cast(weights, self.dtype)
+        self.weights = wmod.cast(wmod.for_engine(weights, True), self.dtype)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                stop_ids: tuple[int, ...] | None = None, return_logits: bool = False, matcher=None) -> Iterator:

@@ -63,9 +63,17 @@ def qkv(layer, h, positions, cfg: ModelConfig):
     Qwen2 adds q/k/v biases (`cfg.qkv_bias`); Qwen3 RMS-normalizes each head of q and k over D
     (`cfg.qk_norm`) before RoPE."""
     x = rms_norm(h, layer.attn_norm, cfg.rms_eps)
-    q = jnp.einsum("te,ehd->thd", x, layer.wq)
-    k = jnp.einsum("te,ekd->tkd", x, layer.wk)
-    v = jnp.einsum("te,ekd->tkd", x, layer.wv)
+    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if layer.wqkv is not None:  # fused (weights.fuse_projections): one product, then split
+        y = x @ layer.wqkv  # [T, (H + 2K) * D]
+        T = y.shape[0]
+        q = y[:, :H * D].reshape(T, H, D)
+        k = y[:, H * D:(H + K) * D].reshape(T, K, D)
+        v = y[:, (H + K) * D:].reshape(T, K, D)
+    else:
+        q = jnp.einsum("te,ehd->thd", x, layer.wq)
+        k = jnp.einsum("te,ekd->tkd", x, layer.wk)
+        v = jnp.einsum("te,ekd->tkd", x, layer.wv)
     if cfg.qkv_bias:
         q, k, v = q + layer.bq, k + layer.bk, v + layer.bv  # biases: [H, D], [K, D], [K, D]
     if cfg.qk_norm:
@@ -82,8 +90,12 @@ def attn_out(layer, h, attn):
 def mlp(layer, h, cfg: ModelConfig):
     """Residual SwiGLU block. h: [T, E] -> [T, E]."""
     x = rms_norm(h, layer.mlp_norm, cfg.rms_eps)
-    gate = jnp.einsum("te,ef->tf", x, layer.w_gate)
-    up = jnp.einsum("te,ef->tf", x, layer.w_up)
+    if layer.w_gate_up is not None:  # fused: one product, then split
+        gate_up = x @ layer.w_gate_up  # [T, 2F]
+        gate, up = gate_up[:, :cfg.ffn_hidden], gate_up[:, cfg.ffn_hidden:]
+    else:
+        gate = jnp.einsum("te,ef->tf", x, layer.w_gate)
+        up = jnp.einsum("te,ef->tf", x, layer.w_up)
     return h + jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer.w_down)
 
 

@@ -14,28 +14,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pddjax import env
 from pddjax.model.config import ModelConfig
 
 
 @flax.struct.dataclass
 class LayerWeights:
     attn_norm: jax.Array  # [L, E]
-    wq: jax.Array  # [L, E, H, D]
-    wk: jax.Array  # [L, E, K, D]
-    wv: jax.Array  # [L, E, K, D]
+    wq: jax.Array | None  # [L, E, H, D] (None once fused into wqkv)
+    wk: jax.Array | None  # [L, E, K, D]
+    wv: jax.Array | None  # [L, E, K, D]
     wo: jax.Array  # [L, H, D, E]
     mlp_norm: jax.Array  # [L, E]
-    w_gate: jax.Array  # [L, E, F]
-    w_up: jax.Array  # [L, E, F]
+    w_gate: jax.Array | None  # [L, E, F] (None once fused into w_gate_up)
+    w_up: jax.Array | None  # [L, E, F]
     w_down: jax.Array  # [L, F, E]
     bq: jax.Array | None = None  # [L, H, D] q bias (ModelConfig.qkv_bias)
     bk: jax.Array | None = None  # [L, K, D]
     bv: jax.Array | None = None  # [L, K, D]
     q_norm: jax.Array | None = None  # [L, D] per-head RMSNorm scale of q (ModelConfig.qk_norm)
     k_norm: jax.Array | None = None  # [L, D]
+    wqkv: jax.Array | None = None  # [L, E, (H + 2K) * D]: wq, wk, wv side by side (`fuse_projections`)
+    w_gate_up: jax.Array | None = None  # [L, E, 2F]: w_gate, w_up side by side
 
 
-OPTIONAL_LAYER_WEIGHTS = ("bq", "bk", "bv", "q_norm", "k_norm")
+OPTIONAL_LAYER_WEIGHTS = ("bq", "bk", "bv", "q_norm", "k_norm", "wqkv", "w_gate_up")
+FUSED_FROM = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
 @flax.struct.dataclass
@@ -65,6 +69,8 @@ LOGICAL_AXES = {
     "bv": ("layer", "kv_heads", "head_dim"),
     "q_norm": ("layer", "head_dim"),
     "k_norm": ("layer", "head_dim"),
+    "wqkv": ("layer", "embed", None),  # fused only at degree 1: never split
+    "w_gate_up": ("layer", "embed", None),
 }
 
 # Tensor-parallel rules: heads and ffn split over the "model" mesh axis.
@@ -83,9 +89,33 @@ def to_dict(w: Weights) -> dict[str, np.ndarray]:
 
 
 def from_dict(d: dict) -> Weights:
-    layers = LayerWeights(**{name: d[name] for name in LayerWeights.__dataclass_fields__
-                             if name not in OPTIONAL_LAYER_WEIGHTS or name in d})
+    fused = {part for name, parts in FUSED_FROM.items() if name in d for part in parts}
+    layers = LayerWeights(**{name: d.get(name) for name in LayerWeights.__dataclass_fields__
+                             if name in d or name in fused or name not in OPTIONAL_LAYER_WEIGHTS})
     return Weights(embed=d["embed"], final_norm=d["final_norm"], lm_head=d.get("lm_head"), layers=layers)
+
+
+def for_engine(w: Weights, one_device: bool) -> Weights:
+    """What an engine computes with: the projections fused on one device (`PDDJAX_FUSE_PROJECTIONS`,
+    default on), as given under a mesh."""
+    return fuse_projections(w) if one_device and env.FUSE_PROJECTIONS.get() else w
+
+
+def fuse_projections(w: Weights) -> Weights:
+    """The same weights with q, k, v in one matrix and gate, up in another ([L, E, (H + 2K) * D],
+    [L, E, 2F]), so a layer runs two input projections instead of five: on this CPU the real model's
+    projections ran ~20% faster at 1-8 rows (one wider matrix product per input instead of three or
+    two). For one device only: a split over heads or FFN would cut across the joined axis. Numpy
+    in, numpy out when given numpy (engines fuse before they place the weights)."""
+    lw = w.layers
+    if lw.wqkv is not None:
+        return w
+    xp = np if isinstance(lw.wq, np.ndarray) else jnp
+    L, E = lw.wq.shape[:2]
+    wqkv = xp.concatenate([lw.wq.reshape(L, E, -1), lw.wk.reshape(L, E, -1), lw.wv.reshape(L, E, -1)], axis=-1)
+    w_gate_up = xp.concatenate([lw.w_gate, lw.w_up], axis=-1)
+    return w.replace(layers=lw.replace(wq=None, wk=None, wv=None, w_gate=None, w_up=None, wqkv=wqkv,
+                                       w_gate_up=w_gate_up))
 
 
 def cast(w: Weights, dtype) -> Weights:

@@ -293,3 +293,21 @@ def test_handoff_identity_with_pallas_attention(tiny, ref, params):
     admit(main, "r", p, handed, kv, params, total)
     events = run_until_done(main, "r")
     assert handed + [e.token for e in events] == expected
+
+
+def test_fused_and_separate_projections_give_the_same_tokens(tiny, monkeypatch):
+    """The paged engine with q / k / v and gate / up joined (the default at one device) and with
+    them apart: the same greedy and seeded tokens."""
+    outs = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("PDDJAX_FUSE_PROJECTIONS", fuse)
+        eng = engine(tiny)
+        assert (eng.weights.layers.wqkv is not None) == (fuse == "1")
+        for i, params in enumerate((GREEDY, SEEDED)):
+            eng.add(f"r{i}", prompt(40 + i, 19), params, max_tokens=12, stop_ids=NO_STOP)
+        done = {}
+        while eng.has_work():
+            for ev in eng.step():
+                done.setdefault(ev.seq_id, []).append(ev.token)
+        outs[fuse] = done
+    assert outs["1"] == outs["0"] and all(len(t) == 12 for t in outs["1"].values())
