@@ -38,7 +38,7 @@ import tempfile
 import time
 
 from pddjax.errors import UserError
-from serving.bench.serve import compiles
+from serving.bench.serve import compiles, peer_command
 from serving.bench.serve.figures import identity_check, kv_wire_of, markdown, mode_figures, targets, wire_mode_format
 from serving.bench.serve.replay import Record, replay, warmup
 from serving.bench.serve.stack import BenchStack, cluster_cpus
@@ -81,6 +81,7 @@ def register(bsub) -> None:
                         "http://HOST:PORT/v1) instead of starting stacks; --model names its vocabulary")
     o.add_argument("--openai-model", help="the `model` field sent (default: the first of GET /v1/models)")
     o.add_argument("--openai-key", help="the API key (pddjax: the router's bearer token)")
+    peer_command.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -190,6 +191,8 @@ def run(args) -> int:
     print(f"trace: {summary['requests']} requests, {summary['sessions']} sessions, mean hit {summary['mean_hit']:.2f}, "
           f"{summary['share_hit_above_95']:.0%} above 95%, mean prompt {summary['mean_prompt_tokens']:.0f}, "
           f"mean output {summary['mean_output_tokens']:.0f}", file=sys.stderr)
+    if args.peer:
+        return peer_command.run(args, trace, trace_seed, mcfg, summary)
     if args.openai_url:
         from serving.bench.serve import openai_driver
 

@@ -24,7 +24,7 @@ from serving.bench.serve.figures import identity_check, markdown, mode_figures
 from serving.bench.serve.replay import Progress, Record
 
 
-def _first_model(client) -> str:
+def first_model(client) -> str:
     models = client.models.list().data
     if not models:
         from pddjax.errors import UserError
@@ -33,12 +33,15 @@ def _first_model(client) -> str:
     return models[0].id
 
 
-def _one(client, model: str, rec: Record, prompt: list[int], max_tokens: int, session: str, sent: float) -> list[int]:
-    """One streamed completion into `rec`; -> the output token ids (empty if the server sent none)."""
+def stream_one(client, model: str, rec: Record, prompt: list[int] | str, max_tokens: int, session: str | None,
+               sent: float) -> list[int]:
+    """One streamed completion (greedy, `ignore_eos`) into `rec`; -> the output token ids (empty if the
+    server sent none). `session`: sent as `x-session-id` (None: no header)."""
     times, toks, ext = [], [], {}
     stream = client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        extra_headers={"x-session-id": session}, extra_body={"ignore_eos": True, "return_token_ids": True})
+        extra_headers={"x-session-id": session} if session is not None else None,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
     for ch in stream:
         ext = getattr(ch, "pddjax", None) or ext
         for c in ch.choices:
@@ -59,6 +62,7 @@ def _one(client, model: str, rec: Record, prompt: list[int], max_tokens: int, se
         rec.tpot_ms = 1e3 * (last - first) / (n - 1) if n > 1 else float("nan")
         for (ta, _, _), (tb, k, _) in zip(times, times[1:]):
             rec.itl_ms += [1e3 * (tb - ta) / k] * k
+            rec.itl_message_ms.append(1e3 * (tb - ta))
         relay_t = [t for t, _, s in times if s == 2]
         main_t = [t for t, _, s in times if s == 3]
         if relay_t and main_t:
@@ -81,7 +85,7 @@ def replay_openai(client, model: str, trace, builder, label: str) -> tuple[list[
         sent = time.perf_counter()
         rec = Record(req.request_id, req.session_id, req.turn, req.hit, len(prompt), send_s=sent - clock["t0"])
         try:
-            out = _one(client, model, rec, prompt, req.max_tokens, str(req.session_id), sent)
+            out = stream_one(client, model, rec, prompt, req.max_tokens, str(req.session_id), sent)
         except openai.APIError as e:
             rec.error, out = f"{type(e).__name__}: {e}", []
         with lock:
@@ -132,7 +136,7 @@ def run(args, trace, trace_seed: int, vocab_size: int, summary: dict) -> int:
 
     client = openai.OpenAI(base_url=args.openai_url, api_key=args.openai_key or "none", max_retries=0, timeout=900)
     try:
-        model = args.openai_model or _first_model(client)
+        model = args.openai_model or first_model(client)
         records, wall, history, history_wall = replay_openai(client, model, trace, TokenBuilder(trace_seed, vocab_size),
                                                             "openai")
     finally:

@@ -38,7 +38,8 @@ class Record:
     ttft_ms: float = math.nan
     e2e_ms: float = math.nan
     tpot_ms: float = math.nan
-    itl_ms: list = dataclasses.field(default_factory=list)
+    itl_ms: list = dataclasses.field(default_factory=list)  # a message of k tokens: k gaps of gap / k
+    itl_message_ms: list = dataclasses.field(default_factory=list)  # one gap per message (vLLM's ITL)
     token_ids: list = dataclasses.field(default_factory=list)
     relay_tokens: int = 0
     main_tokens: int = 0
@@ -93,6 +94,7 @@ def _fill(rec: Record, res, times: list, sent: float) -> None:
     rec.tpot_ms = 1e3 * (last - first) / (n - 1) if n > 1 else math.nan
     for (ta, _, _), (tb, k, _) in zip(times, times[1:]):
         rec.itl_ms += [1e3 * (tb - ta) / k] * k
+        rec.itl_message_ms.append(1e3 * (tb - ta))
     if rec.relay_tokens and rec.main_tokens:
         from serving.pb import common_pb2
 
