@@ -86,7 +86,7 @@ def test_a_steps_posts_reach_the_loop_in_one_wake_up_in_order_before_the_caller_
     got: list = []
 
     async def main():
-        e = Engine(work=3)
+        e = Engine(work=0)  # given its 3 steps once `w` is bound (the thread steps as soon as it starts)
         loop = asyncio.get_running_loop()
         wakeups = 0
         real = loop.call_soon_threadsafe
@@ -98,7 +98,9 @@ def test_a_steps_posts_reach_the_loop_in_one_wake_up_in_order_before_the_caller_
 
         loop.call_soon_threadsafe = counting
         w = EngineWorker(e, loop, on_step=lambda events: [w.post(got.append, ("step", i)) for i in range(32)])
+        e.work = 3
         try:
+            await w.call(lambda eng: None)  # wakes the idle thread: it steps from here on
             while e.work:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.05)
@@ -110,7 +112,7 @@ def test_a_steps_posts_reach_the_loop_in_one_wake_up_in_order_before_the_caller_
 
     wakeups, posted = asyncio.run(main())
     assert got == [("step", i) for i in range(32)] * 3  # every post, in order
-    assert wakeups <= 3 + 2, wakeups  # one hand-over per step (plus the snapshot's), not 96
+    assert wakeups <= 3 + 3, wakeups  # one hand-over per step (plus the wake-up's and the snapshot's), not 96
     assert posted == [0, 1, 2, 3, 4]  # ran before the awaiting coroutine resumed
 
 
