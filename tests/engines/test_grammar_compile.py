@@ -21,7 +21,8 @@ MIX = [SamplingParams(grammar=JSON), SamplingParams(0.9, 40, 0.95, 7, grammar=Gr
 
 
 def test_constrained_rows_compile_nothing_after_precompile(tiny):
-    cfg = EngineConfig(page_size=8, num_pages=128, max_step_tokens=64, max_rows=8)
+    # the suite's tiny table (configs/tiny.toml's): test_background_build builds this whole set first
+    cfg = EngineConfig(page_size=16, num_pages=256, max_step_tokens=128, max_rows=8)
     eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg, grammar=compiler())
     eng.precompile()
     src = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg, grammar=compiler())

@@ -17,7 +17,8 @@ MIX = [SamplingParams(), SamplingParams(0.9, 40, 0.95, 7), SamplingParams(presen
 
 
 def test_penalised_biased_and_logprob_rows_compile_nothing_after_precompile(tiny, ref):
-    cfg = EngineConfig(page_size=8, num_pages=128, max_step_tokens=64, max_rows=8)
+    # the suite's tiny table (configs/tiny.toml's): test_background_build builds this whole set first
+    cfg = EngineConfig(page_size=16, num_pages=256, max_step_tokens=128, max_rows=8)
     eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg)
     eng.precompile()
     before = compile_count() + compiled_variants()

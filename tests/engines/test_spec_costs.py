@@ -71,7 +71,7 @@ def test_step_costs_take_the_median_so_a_compile_does_not_count():
 
 
 def test_an_engine_whose_drafts_do_not_pay_verifies_almost_none_and_decodes_the_same(tiny, ref):
-    cfg = EngineConfig(page_size=8, num_pages=200, max_step_tokens=64, max_rows=16, speculative="ngram",
+    cfg = EngineConfig(page_size=8, num_pages=256, max_step_tokens=64, max_rows=16, speculative="ngram",
                        spec_max_tokens=4)
     eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, cfg)
     eng.step_costs = costs(b1=1.0, b2=100.0, b4=100.0, b8=100.0)  # a draft never pays

@@ -18,7 +18,8 @@ NO_STOP = ()
 
 
 def engine(tiny, speculative="ngram", **kw):
-    cfg = dict(page_size=8, num_pages=200, max_step_tokens=64, max_rows=16, speculative=speculative,
+    # test_penalties' and test_grammar_engine's table: their step programs serve here too
+    cfg = dict(page_size=8, num_pages=256, max_step_tokens=64, max_rows=16, speculative=speculative,
                spec_max_tokens=4)
     cfg.update(kw)
     eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, EngineConfig(**cfg))

@@ -175,19 +175,16 @@ def test_up_flag_sets_the_wan_format():
 
 
 # ---- a stack: int8 over the WAN -------------------------------------------------------------------
-STACK = {
-    "model": "tiny", "platform": "cpu",
-    "engine": {"dtype": "float32", "page_size": 16, "num_pages": 128, "max_step_tokens": 64, "max_rows": 4},
-    "router": {"chunk_bytes": 4096, "relay_kv_wire": "bf16"},
-    "wan": {"kv_wire": "int8"},
-}
+# a router of these settings (and its own link) over the session's shared tiny engines: the format
+# is the router's choice per target, the engines take any; prompts drawn by no other user of them
+ROUTER = {"router": {"chunk_bytes": 4096, "relay_kv_wire": "bf16"}, "wan": {"kv_wire": "int8"}}
 
 
-def test_int8_wan_transfer_lands_in_main_and_decoding_proceeds(tmp_path):
+def test_int8_wan_transfer_lands_in_main_and_decoding_proceeds(tiny_stack):
     from serving.client import Client, make_request
-    from tests.support.serving_stack import Stack
+    from tests.support.serving_stack import Router
 
-    stack = Stack(STACK, str(tmp_path))
+    stack = Router(tiny_stack, ROUTER)
     client = Client(stack.addr["router"])
     try:
         p = prompt(64, 50)  # 4 pages

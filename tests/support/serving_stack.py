@@ -1,6 +1,12 @@
 """Helpers for serving tests: a stack of separate service processes on loopback, with the
 A -> B WanLink running in a background thread of the test process (so tests can slow it and
-read its byte counters), always torn down (SIGTERM, then SIGKILL); and `pddjax up` as a subprocess."""
+read its byte counters), always torn down (SIGTERM, then SIGKILL); another router over a running
+stack's engine services (`Router`); and `pddjax up` as a subprocess.
+
+TINY_ENGINE is the suite's one tiny engine table (configs/tiny.toml's, every default stated): a
+module whose stacks differ from it only by accident uses it, so that one set of step programs
+is compiled per cache (each other table compiles its own on an empty one). TINY_STACK is the
+stack the modules of tests/serving share (tests/serving/conftest.py: `STACK = TINY_STACK`)."""
 
 from __future__ import annotations
 
@@ -16,6 +22,10 @@ import time
 from serving.bench.serve.compiles import wait_built
 from serving.stack.up import Child, spawn, stop_all, wait_ready
 from serving.stack.wanlink import WanLink
+
+TINY_ENGINE = {"dtype": "float32", "page_size": 16, "num_pages": 256, "max_step_tokens": 128, "max_rows": 8}
+TINY_STACK = {"model": "tiny", "platform": "cpu", "engine": TINY_ENGINE,
+              "router": {"chunk_bytes": 4096, "handoff_threshold": 48}}
 
 
 class LinkThread:
@@ -37,12 +47,30 @@ class LinkThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+def _start_router(stack: dict, addr: dict, main_wan: str, workdir: str, log, timeout: float,
+                  name: str = "router") -> Child:
+    """A router process over the engine services at `addr`, P and RLD reaching MD at `main_wan`."""
+    rstack = {**stack, "router": {**stack.get("router", {}), "prefill": addr["prefill"], "relay": addr["relay"],
+                                  "main": addr["main"], "main_wan": main_wan}}
+    rcfg = os.path.join(workdir, f"{name}.json")
+    with open(rcfg, "w") as f:
+        json.dump(rstack, f)
+    router = spawn("router", rcfg, workdir, log=log, name=name)
+    try:
+        asyncio.run(wait_ready([router], timeout))
+    except BaseException:
+        stop_all([router])
+        raise
+    return router
+
+
 class Stack:
     """P, RLD, MD and the router as processes; P and RLD reach MD through `link`."""
 
     def __init__(self, stack: dict, workdir: str, timeout: float = 180.0, use_link: bool = True):
         self.children: list[Child] = []
         self.link: LinkThread | None = None
+        self.config, self.workdir, self.timeout = stack, workdir, timeout
         self.log = open(os.path.join(workdir, "services.log"), "ab")
         try:
             cfg = os.path.join(workdir, "stack.json")
@@ -53,15 +81,9 @@ class Stack:
             wait_built({c.role: c.metrics for c in self.children}, timeout)  # the suite builds no rest: returns at once
             self.addr = {c.role: c.address for c in self.children}
             self.link = LinkThread(self.addr["main"])
-            rstack = {**stack, "router": {**stack.get("router", {}), "prefill": self.addr["prefill"],
-                                          "relay": self.addr["relay"], "main": self.addr["main"],
-                                          "main_wan": self.link.address if use_link else self.addr["main"]}}
-            rcfg = os.path.join(workdir, "router.json")
-            with open(rcfg, "w") as f:
-                json.dump(rstack, f)
-            router = spawn("router", rcfg, workdir, log=self.log)
+            router = _start_router(stack, self.addr, self.link.address if use_link else self.addr["main"], workdir,
+                                   self.log, timeout)
             self.children.append(router)
-            asyncio.run(wait_ready([router], timeout))
             self.addr["router"] = router.address
         except BaseException:
             self.close()
@@ -72,6 +94,34 @@ class Stack:
         if self.link is not None:
             self.link.close()
         self.log.close()
+
+
+class Router:
+    """Another router, with a config of its own (`overrides`: the tables that differ from the
+    stack's, e.g. `router`, `wan`) and its own A -> B link to MD, over `stack`'s running P, RLD
+    and MD: what a test of a router setting needs without engines of its own. `addr`, `link` and
+    `children` (the engines, then this router) as a Stack's; `close` stops this router and its
+    link only. The engines' caches hold what earlier users sent them (prefix hits: draw prompts
+    no other user of the stack draws)."""
+
+    _count = 0
+
+    def __init__(self, stack: Stack, overrides: dict):
+        Router._count += 1
+        self.link: LinkThread | None = LinkThread(stack.addr["main"])
+        try:
+            engines = {r: stack.addr[r] for r in ("prefill", "relay", "main")}
+            self.router = _start_router({**stack.config, **overrides}, engines, self.link.address, stack.workdir,
+                                        stack.log, stack.timeout, name=f"router{Router._count}")
+        except BaseException:
+            self.link.close()
+            raise
+        self.addr = {**engines, "router": self.router.address}
+        self.children = [c for c in stack.children if c.role != "router"] + [self.router]
+
+    def close(self) -> None:
+        stop_all([self.router])
+        self.link.close()
 
 
 class UpProcess:

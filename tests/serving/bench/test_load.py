@@ -1,9 +1,11 @@
 """`pddjax bench serving` (serving/bench/load/command.py): the figures from hand-made streams and
 router scrapes, and one small run end to end on the tiny model (configs/tiny.toml's engine shapes, so the
 step executables come from the compile cache the other stack tests fill): 4 streams per pipeline
-token-exact against the reference, every report field, and bursts of 16 streams of 256 tokens
-(18 pages each) that the 255-page pools cannot hold at once, pd-local (RLD queues) and pdd (MD
-queues), completed token-exact with no refusal and page waits seen."""
+token-exact against the reference, every report field, and bursts of 16 streams of 224 prompt
++ 64 output tokens (18 pages each, reserved at admission) that the 255-page pools cannot hold at
+once, pd-local (RLD queues) and pdd (MD queues), completed token-exact with no refusal and page
+waits seen. (The pages come mostly from the prompt: the same queueing with a quarter of the
+decode steps and of the reference's tokens that 32 + 256 took.)"""
 
 from __future__ import annotations
 
@@ -87,8 +89,8 @@ def test_page_wait_delta_counts_only_the_burst():
 def test_bench_serving_small_run(tmp_path):
     out = tmp_path / "serving.json"
     p = subprocess.run([sys.executable, "-m", "serving", "bench", "serving", "--streams", "4", "--max-tokens", "16",
-                        "--burst", "16", "--burst-tokens", "256", "--num-pages", "256", "--max-rows", "8",
-                        "--max-step-tokens", "128", "--stream-interval", "1,4", "--json", str(out)],
+                        "--burst", "16", "--burst-tokens", "64", "--prompt-tokens", "224", "--num-pages", "256",
+                        "--max-rows", "8", "--max-step-tokens", "128", "--stream-interval", "1,4", "--json", str(out)],
                        capture_output=True, text=True, timeout=580)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())

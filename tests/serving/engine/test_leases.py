@@ -26,14 +26,13 @@ from pddjax.wan.emulator import B_TO_A
 from serving import kvwire
 from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
 from serving.stack.up import spawn, stop_all, wait_ready
-from tests.support.serving_stack import LinkThread
+from tests.support.serving_stack import TINY_ENGINE, LinkThread
 from tests.support.stack_checks import pages_active_gauge
 
 pytestmark = pytest.mark.timeout(180)
 KV_LEASE_S = 6.0
 ENV = {"PDDJAX_KV_LEASE_SECONDS": str(KV_LEASE_S), "PDDJAX_PUSH_STALL_SECONDS": "600"}  # the lease, not the stall timer
-STACK = {"model": "tiny", "platform": "cpu",
-         "engine": {"dtype": "float32", "page_size": 16, "num_pages": 128, "max_step_tokens": 128, "max_rows": 8}}
+STACK = {"model": "tiny", "platform": "cpu", "engine": TINY_ENGINE}
 
 
 class LeaseStack:

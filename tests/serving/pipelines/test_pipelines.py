@@ -20,15 +20,12 @@ from serving.client import RouterError, make_request
 from serving.kvwire import chunks
 from serving.pb import cluster_pb2, cluster_pb2_grpc
 from tests.support.samples import prompt
+from tests.support.serving_stack import TINY_STACK
 from tests.support.stack_checks import assert_idle
 
 pytestmark = pytest.mark.timeout(400)  # a cold jit cache (CI) compiles in three processes
 
-STACK = {
-    "model": "tiny", "platform": "cpu",
-    "engine": {"dtype": "float32", "page_size": 16, "num_pages": 256, "max_step_tokens": 128, "max_rows": 8},
-    "router": {"chunk_bytes": 4096, "handoff_threshold": 48},
-}
+STACK = TINY_STACK  # the session's shared stack (tests/serving/conftest.py)
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
 EOS = (2,)
 SEEDED = dict(temperature=0.9, top_k=40, top_p=0.95, seed=11)

@@ -19,15 +19,12 @@ from serving.client import RouterError, make_request
 from serving.openai.server import start_cohosted
 from serving.openai.upstream import GrpcUpstream
 from tests.support.samples import prompt
+from tests.support.serving_stack import TINY_STACK
 from tests.support.stack_checks import assert_idle
 
 pytestmark = pytest.mark.timeout(400)
 
-STACK = {
-    "model": "tiny", "platform": "cpu",
-    "engine": {"dtype": "float32", "page_size": 16, "num_pages": 256, "max_step_tokens": 128, "max_rows": 8},
-    "router": {"chunk_bytes": 4096, "handoff_threshold": 48},
-}
+STACK = TINY_STACK  # the session's shared stack (tests/serving/conftest.py)
 N = 40
 
 
