@@ -57,15 +57,7 @@ def history(url: str, model: str, key: str | None, items: list[LoadItem], label:
                 out.append(rec)
             bar.tick()
 
-    threads = [threading.Thread(target=session, args=(t,), daemon=True) for t in sessions.values()]
-    try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        bar.finish()
-        client.close()
+    _run_all(session, list(sessions.values()), bar, client)
     return out
 
 
@@ -82,7 +74,15 @@ def measured(url: str, model: str, key: str | None, items: list[LoadItem], label
             out.append(rec)
         bar.tick()
 
-    threads = [threading.Thread(target=one, args=(it,), daemon=True) for it in items]
+    _run_all(one, items, bar, client)
+    out.sort(key=lambda r: (r.send_s, r.request_id))
+    return out, time.perf_counter() - t0
+
+
+def _run_all(target, args: list, bar, client) -> None:
+    """`target(a)` for every a in `args`, each on its own thread, all joined; then the progress
+    line ends and the client closes."""
+    threads = [threading.Thread(target=target, args=(a,), daemon=True) for a in args]
     try:
         for th in threads:
             th.start()
@@ -91,8 +91,6 @@ def measured(url: str, model: str, key: str | None, items: list[LoadItem], label
     finally:
         bar.finish()
         client.close()
-    out.sort(key=lambda r: (r.send_s, r.request_id))
-    return out, time.perf_counter() - t0
 
 
 def schedule_lag_ms(records: list[Record], items: list[LoadItem]) -> list[float]:
