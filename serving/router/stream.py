@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -208,6 +209,9 @@ class Output:
             return False
         seen = r.tokens[self.ahead_at:self.ahead_at + len(ahead)]
         if ahead[:len(seen)] != seen:
+            at = next(i for i, (a, b) in enumerate(zip(ahead, seen)) if a != b)
+            print(f"router: {r.label}: MD's token {ahead[at]} at position {self.ahead_at + at} differs from RLD's "
+                  f"{seen[at]}: the stream stays on RLD", file=sys.stderr, flush=True)
             self.ahead = None
             return False
         lag = len(r.tokens) - (self.ahead_at + len(ahead))  # tokens MD still has to make to reach the user

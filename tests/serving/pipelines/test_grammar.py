@@ -134,13 +134,18 @@ def test_a_required_tool_call_is_forced_parsed_and_exact_across_the_switch(stack
                                                                             pipeline, choice):
     """tool_choice required / a named function: the grammar forces a call whose arguments
     validate against the tool's schema, the router parses it (finish_reason tool_calls), and the
-    tokens equal the reference's under the same grammar; in pdd the switch falls inside the call."""
+    tokens equal the reference's under the same grammar; in pdd the switch falls inside the call.
+    A call is ~100 tokens, which RLD on the tiny model writes in ~0.25 s: on a loaded machine MD's
+    KV was still crossing, or MD still catching up, when the call ended. So pdd holds MD's KV only
+    until RLD's first token and hands off one-shot (RLD pauses, MD goes on from its last token);
+    the JSON-schema test above covers chunked under a grammar with a longer output."""
     chat = [{"role": "user", "content": f"Weather or time? ({pipeline} {choice})"}]
     req = make_request(chat=chat, max_tokens=300, pipeline=pipeline, tools=[WEATHER, TIME], tool_choice=choice,
-                       parallel_tool_calls=False, **SEEDED)  # one call, then the grammar ends
+                       parallel_tool_calls=False, handoff="one-shot" if pipeline == "pdd" else None,
+                       **SEEDED)  # one call, then the grammar ends
     if pipeline == "pdd":
-        r = generate_switching_after(stack, chat_client, req, 8)
-        assert r.sources[0] == "relay" and r.sources[-1] == "main", r.usage
+        r = generate_switching_after(stack, chat_client, req, 1)
+        assert r.sources[0] == "relay" and r.sources[-1] == "main", (r.usage, r.timings)
     else:
         r = chat_client.generate(req, timeout=240)
     want = chat_ref.generate(r.prompt_ids, SamplingParams(**SEEDED, grammar=forced_grammar(chat_model, choice)), 300,
