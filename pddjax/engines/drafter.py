@@ -12,15 +12,18 @@ whose continuation runs into the suffix itself repeats with its period (a loop k
 
 Adaptive k (`feedback(drafted, accepted)` after each verification): k doubles (to the bound)
 when a whole draft is accepted, else becomes accepted + 1; an exponential average of the
-acceptance (weight `ALPHA` per verification) below `OFF_BELOW` turns the row off (k = 0), and
-every `PROBE_EVERY` proposals an off row probes with one token, so acceptance can recover.
+acceptance (weight `ALPHA` per verification, `PRIOR` before the first) below `OFF_BELOW` turns
+the row off (k = 0). An off row probes with one token after `PROBE_EVERY` proposals, so
+acceptance can recover; each rejected probe doubles that wait (to `PROBE_EVERY_MAX`), an
+accepted one resets it: a row with nothing to copy pays for a handful of probes, not one in 8.
 """
 
 from __future__ import annotations
 
 ALPHA = 0.3  # weight of the latest verification in the acceptance average
+PRIOR = 0.5  # the acceptance average before a row's first verification
 OFF_BELOW = 0.15  # acceptance average under which a row stops drafting
-PROBE_EVERY = 8  # an off row drafts one token every this many proposals
+PROBE_EVERY, PROBE_EVERY_MAX = 8, 64  # an off row's wait between probes: first, and after rejected probes
 
 
 class Drafter:
@@ -31,9 +34,11 @@ class Drafter:
             raise ValueError(f"max_ngram must be a positive integer, got {max_ngram!r}")
         self.max_tokens, self.max_ngram = max_tokens, max_ngram
         self.k = max_tokens  # the next draft's length (0: off, probing)
-        self.acceptance = 1.0  # exponential average of accepted / drafted
+        self.acceptance = PRIOR  # exponential average of accepted / drafted
         self.drafted = self.accepted = 0  # totals over the sequence's life
         self._idle = 0  # proposals since the last probe while off
+        self._probe_every = PROBE_EVERY  # proposals between an off row's probes
+        self._probing = False  # the last proposal was a probe (its feedback sets the next wait)
         self.trimmed = 0  # proposals in a row the engine's cost rule dropped (speculate.worth_it)
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> the position that followed its latest occurrence
@@ -82,9 +87,10 @@ class Drafter:
         k = self.k
         if k == 0:
             self._idle += 1
-            if self._idle < PROBE_EVERY:
+            if self._idle < self._probe_every:
                 return []
             self._idle, k = 0, 1
+        probe = self.k == 0
         k = min(k, limit)
         L = len(self.tokens)
         if k < 1 or L < 1:
@@ -93,6 +99,7 @@ class Drafter:
             s = self.index.get(tuple(self.tokens[L - n:]))
             if s is not None and s < L:
                 period = L - s  # the continuation runs into the suffix: repeat what followed
+                self._probing = probe
                 return [self.tokens[s + j % period] for j in range(k)]
         return []
 
@@ -104,6 +111,9 @@ class Drafter:
             return
         self.drafted += drafted
         self.accepted += accepted
+        if self._probing:
+            self._probing = False
+            self._probe_every = PROBE_EVERY if accepted else min(2 * self._probe_every, PROBE_EVERY_MAX)
         self.acceptance = (1 - ALPHA) * self.acceptance + ALPHA * accepted / drafted
         if self.acceptance < OFF_BELOW:
             self.k = 0
@@ -121,3 +131,4 @@ class Drafter:
         assert self.index == expected, "drafter index differs from a rescan of its context"
         assert 0 <= self.k <= self.max_tokens, f"draft length {self.k} outside 0..{self.max_tokens}"
         assert 0 <= self.accepted <= self.drafted, f"accepted {self.accepted} of {self.drafted} drafted"
+        assert PROBE_EVERY <= self._probe_every <= PROBE_EVERY_MAX, f"probe wait {self._probe_every}"

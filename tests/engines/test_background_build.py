@@ -12,12 +12,12 @@ import threading
 import pytest
 
 from pddjax import env
-from pddjax.engines import buckets, precompile
+from pddjax.engines import buckets, precompile, step
 from pddjax.engines.engine_config import EngineConfig
 from pddjax.engines.paged_engine import PagedEngine
 from pddjax.engines.reference import ReferenceEngine
 from pddjax.engines.step import compile_count, compile_count_foreground
-from pddjax.kv import copies
+from pddjax.kv import canonical, copies
 from pddjax.kv.canonical import compiled_variants, compiled_variants_foreground
 from pddjax.model.config import SMOLLM2_135M, TINY
 from pddjax.model.sampling_params import SamplingParams
@@ -37,6 +37,17 @@ CONFIGS = {"tiny": (EngineConfig(page_size=16, num_pages=256, max_step_tokens=12
 def background_build_on(monkeypatch):
     """tests/conftest.py turns the background build off for the suite; this module tests it."""
     monkeypatch.setenv(env.BACKGROUND_BUILD.name, "1")
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_tables(monkeypatch):
+    """Each test starts on empty in-process tables of step executables and KV copies, so its
+    compile counts do not depend on what earlier tests in this process (whichever ran first
+    here, under pytest-xdist) left held; both are restored after."""
+    fresh = copies.Copies()
+    monkeypatch.setattr(step, "_executables", step.Executables(env.STEP_EXECUTABLES.get()))
+    monkeypatch.setattr(copies, "copies", lambda: fresh)
+    monkeypatch.setattr(canonical, "copies", lambda: fresh)
 
 
 class Row:

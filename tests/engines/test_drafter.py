@@ -82,6 +82,36 @@ def test_k_adapts_turns_off_and_recovers_by_probes():
     d.check_integrity()
 
 
+def test_rejected_probes_wait_longer_and_an_accepted_one_resets_the_wait():
+    """A row with nothing to copy: each rejected probe doubles the wait before the next (8, 16,
+    32, 64, 64 proposals), so over a long output it verifies a handful of probes, not one in 8;
+    an accepted probe brings the wait back to PROBE_EVERY."""
+    d = Drafter([1, 2, 3, 1, 2, 3, 1, 2], max_tokens=4)
+    assert d.acceptance == dmod.PRIOR and d.k == 4
+    for _ in range(10):
+        d.feedback(max(d.k, 1), 0)
+    assert d.k == 0
+
+    def wait_for_probe() -> int:
+        for n in range(1, 10 * dmod.PROBE_EVERY_MAX):
+            if d.propose(4):
+                return n
+        raise AssertionError("no probe")
+
+    waits = []
+    for _ in range(5):
+        waits.append(wait_for_probe())
+        d.feedback(1, 0)
+    assert waits == [dmod.PROBE_EVERY * 2**i for i in range(4)] + [dmod.PROBE_EVERY_MAX], waits
+    assert wait_for_probe() == 64
+    d.feedback(1, 1)  # accepted: the row drafts again, and once off again waits the first wait
+    assert d.k >= 1
+    while d.k:
+        d.feedback(d.k, 0)
+    assert wait_for_probe() == dmod.PROBE_EVERY
+    d.check_integrity()
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="spec_max_tokens"):
         Drafter([1], max_tokens=0)

@@ -33,8 +33,10 @@ def test_the_constrained_column_times_a_schema_and_a_masked_decode(tiny):
     assert 0 < figures["grammar_compile_ms"] < 5000
     for b in ("1", "4"):
         assert figures["constrained_decode_ms"][b] > 0 and figures["plain_decode_ms"][b] > 0
-        ratio = figures["constrained_decode_ms"][b] / figures["plain_decode_ms"][b]
-        assert abs(figures["constrained_over_plain"][b] - ratio) < 1e-2
+        plain = figures["plain_decode_ms"][b]
+        ratio = figures["constrained_decode_ms"][b] / plain
+        # the ratio is taken before plain_decode_ms is rounded to 0.01 ms, then rounded to 0.001
+        assert abs(figures["constrained_over_plain"][b] - ratio) <= ratio * 0.005 / plain + 5e-4 + 1e-9
     assert not eng.seqs  # every row released
     eng.check_integrity()
     schema = bench_engine._schema("x")
