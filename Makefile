@@ -21,8 +21,12 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/python -m serving.cli.demo
 
+# The suite on TEST_WORKERS processes (pytest-xdist), each test file whole on one of them (its
+# module fixtures, e.g. a stack, start once); `TEST_WORKERS=0` runs it in this process alone.
+TEST_WORKERS ?= 2
+
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check pddjax serving tests tools

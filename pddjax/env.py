@@ -111,6 +111,9 @@ STEP_EXECUTABLES = _knob("STEP_EXECUTABLES", "int", 128,
                          "compiled step variants held in memory at most (precompile raises it to its set)")
 BACKGROUND_BUILD = _knob("BACKGROUND_BUILD", "flag", True,
                           "0: under ready \"cover\" a service serves on its covering set, never building the rest")
+EXEC_CACHE = _knob("EXEC_CACHE", "flag", True,
+                   "0: single-device step variants are traced, lowered and looked up in JAX's cache at every "
+                   "start, not loaded from CACHE_DIR/exec")
 FUSE_PROJECTIONS = _knob("FUSE_PROJECTIONS", "flag", True,
                          "0: engines at one device keep q / k / v and gate / up as separate matrices (A/B runs)")
 MULTIHOST_PORT = _knob("MULTIHOST_PORT", "port", None,

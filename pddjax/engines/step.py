@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from pddjax import env
-from pddjax.engines import penalty_state
+from pddjax.engines import exec_cache, penalty_state
 from pddjax.kv.pool import KVPool
 from pddjax.model import token_mask
 from pddjax.model.paged import PackedBatch, forward_paged
@@ -142,7 +142,7 @@ class Executables:
             if fn is not None:
                 self._lru.move_to_end(key)
         if fn is None:
-            fn = _jitted(args, statics, layout).lower(*args, **statics).compile()
+            fn = _load_or_compile(args, statics, layout, key)
             with self._lock:
                 self.built += 1
                 self.built_behind += behind
@@ -198,6 +198,22 @@ class Executables:
             raise AssertionError(f"{len(self._lru)} step executables held, capacity {self.capacity}")
         if self.built - self.evicted != len(self._lru):
             raise AssertionError(f"built {self.built} - evicted {self.evicted} != held {len(self._lru)}")
+
+
+def _load_or_compile(args: tuple, statics: dict, layout, key: tuple):
+    """A single-device variant from the executable cache on disk (no tracing, no lowering), else
+    traced, lowered, compiled afresh and stored there (exec_cache.py says why afresh); a sharded
+    one traced, lowered and compiled with XLA's compile found in JAX's persistent cache when it
+    holds it."""
+    if (layout is None or layout.mesh is None) and exec_cache.enabled():
+        name = exec_cache.key(key[:2], statics)
+        fn = exec_cache.load(name)
+        if fn is None:
+            with exec_cache.fresh_compile():
+                fn = _jitted(args, statics, layout).lower(*args, **statics).compile()
+            exec_cache.store(name, fn)
+        return fn
+    return _jitted(args, statics, layout).lower(*args, **statics).compile()
 
 
 def _signature(tree) -> tuple:

@@ -1,0 +1,107 @@
+"""Step executables on disk (pddjax/engines/exec_cache.py): a variant one start stored, the next
+start loads without tracing or lowering it, and it runs exactly as the compiled one (the
+monolithic reference's tokens, greedy and seeded, the pool updated in place); an unreadable
+entry is dropped and the variant compiled again; another checkout's stale folder is removed;
+`PDDJAX_EXEC_CACHE=0` neither reads nor writes."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from pddjax import env
+from pddjax.engines import exec_cache, step
+from pddjax.engines.engine_config import EngineConfig
+from pddjax.engines.paged_engine import PagedEngine
+from pddjax.model.sampling_params import SamplingParams
+from tests.support.samples import prompt
+
+CONFIG = EngineConfig(page_size=16, num_pages=256, max_step_tokens=128, max_rows=8)
+JOBS = {f"r{i}": (prompt(n, i), SamplingParams(temperature=0.9, top_p=0.95, seed=i) if i % 2 else SamplingParams())
+        for i, n in enumerate([3, 17, 40, 90])}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache folder and an empty in-process table (what a fresh process starts with)."""
+    monkeypatch.setenv(env.CACHE_DIR.name, str(tmp_path))
+    monkeypatch.setenv(env.EXEC_CACHE.name, "1")
+    monkeypatch.setattr(step, "_executables", step.Executables(64))
+    return tmp_path
+
+
+def entries(root) -> list:
+    return sorted(p for p in (root / "exec").rglob("*") if p.is_file() and not p.name.startswith(".tmp-"))
+
+
+def tokens(tiny, ref) -> dict:
+    eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, CONFIG)
+    eng.precompile("cover")
+    for rid, (p, params) in JOBS.items():
+        eng.add(rid, p, params, 12, ())
+    out = {rid: [] for rid in JOBS}
+    while eng.has_work():
+        for ev in eng.step():
+            out[ev.seq_id].append(ev.token)
+    eng.check_integrity()
+    for rid, (p, params) in JOBS.items():
+        assert out[rid] == ref.generate(p, params, 12, ()).token_ids, rid
+    return out
+
+
+def test_a_stored_variant_loads_without_tracing_and_gives_the_reference_tokens(tiny, ref, cache, monkeypatch):
+    first = tokens(tiny, ref)
+    built = step.executables().built
+    assert built > 0 and len(entries(cache)) == built  # one entry per variant built
+    monkeypatch.setattr(step, "_executables", step.Executables(64))  # the next start
+    monkeypatch.setattr(step, "_jitted", lambda *a: pytest.fail("traced a variant the cache on disk holds"))
+    assert tokens(tiny, ref) == first
+    assert step.executables().built == built  # loaded ones count as built in this process, as before
+
+
+def test_an_unreadable_entry_is_dropped_and_compiled_again(tiny, ref, cache, monkeypatch, capsys):
+    tokens(tiny, ref)
+    stored = entries(cache)
+    stored[0].write_bytes(b"not an executable")
+    monkeypatch.setattr(step, "_executables", step.Executables(64))
+    tokens(tiny, ref)
+    assert "dropped an unreadable step executable" in capsys.readouterr().err
+    assert entries(cache) == stored and stored[0].stat().st_size > 1000  # written again, whole
+
+
+def test_off_neither_reads_nor_writes(tiny, ref, cache, monkeypatch):
+    monkeypatch.setenv(env.EXEC_CACHE.name, "0")
+    tokens(tiny, ref)
+    assert entries(cache) == []
+
+
+def test_the_key_separates_shapes_statics_and_environments():
+    sig = (("tree",), ((1, 2), "float32"))
+    base = exec_cache.key(sig, {"max_q_len": 16, "impl": "xla"})
+    assert base == exec_cache.key(sig, {"impl": "xla", "max_q_len": 16})  # order of statics is not a key
+    assert base != exec_cache.key(sig, {"max_q_len": 32, "impl": "xla"})
+    assert base != exec_cache.key((("tree",), ((1, 3), "float32")), {"max_q_len": 16, "impl": "xla"})
+
+
+def test_a_stale_folder_of_other_code_is_removed_when_a_new_one_is_made(tmp_path):
+    old, recent, new = (tmp_path / name for name in ("old", "recent", "new"))
+    for folder in (old, recent, new):
+        folder.mkdir()
+    stale = time.time() - (exec_cache.STALE_DAYS + 1) * 86400
+    os.utime(old, (stale, stale))
+    exec_cache._remove_stale(str(tmp_path), str(new))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "recent"]
+
+
+def test_the_code_in_the_key_is_what_a_trace_of_the_step_can_run():
+    """Every pddjax module the step imports, transitively (the model, the attention kernels, the
+    sampler, the pool); not the engine's host code, whose edits keep the cache."""
+    closure = exec_cache.source_closure()
+    for must in ("pddjax/engines/step.py", "pddjax/model/paged.py", "pddjax/model/layers.py",
+                 "pddjax/model/sampling.py", "pddjax/model/attention/xla_paged.py", "pddjax/kv/pool.py",
+                 "pddjax/model/__init__.py"):
+        assert must in closure, must
+    for host in ("pddjax/engines/drafter.py", "pddjax/engines/paged_engine.py", "pddjax/engines/speculate.py"):
+        assert host not in closure, host
