@@ -24,7 +24,7 @@ JOBS = {f"r{i}": (prompt(n, i), SamplingParams(temperature=0.9, top_p=0.95, seed
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def exec_dir(tmp_path, monkeypatch):
     """An empty cache folder and an empty in-process table (what a fresh process starts with)."""
     monkeypatch.setenv(env.CACHE_DIR.name, str(tmp_path))
     monkeypatch.setenv(env.EXEC_CACHE.name, "1")
@@ -51,30 +51,30 @@ def tokens(tiny, ref) -> dict:
     return out
 
 
-def test_a_stored_variant_loads_without_tracing_and_gives_the_reference_tokens(tiny, ref, cache, monkeypatch):
+def test_a_stored_variant_loads_without_tracing_and_gives_the_reference_tokens(tiny, ref, exec_dir, monkeypatch):
     first = tokens(tiny, ref)
     built = step.executables().built
-    assert built > 0 and len(entries(cache)) == built  # one entry per variant built
+    assert built > 0 and len(entries(exec_dir)) == built  # one entry per variant built
     monkeypatch.setattr(step, "_executables", step.Executables(64))  # the next start
     monkeypatch.setattr(step, "_jitted", lambda *a: pytest.fail("traced a variant the cache on disk holds"))
     assert tokens(tiny, ref) == first
     assert step.executables().built == built  # loaded ones count as built in this process, as before
 
 
-def test_an_unreadable_entry_is_dropped_and_compiled_again(tiny, ref, cache, monkeypatch, capsys):
+def test_an_unreadable_entry_is_dropped_and_compiled_again(tiny, ref, exec_dir, monkeypatch, capsys):
     tokens(tiny, ref)
-    stored = entries(cache)
+    stored = entries(exec_dir)
     stored[0].write_bytes(b"not an executable")
     monkeypatch.setattr(step, "_executables", step.Executables(64))
     tokens(tiny, ref)
     assert "dropped an unreadable step executable" in capsys.readouterr().err
-    assert entries(cache) == stored and stored[0].stat().st_size > 1000  # written again, whole
+    assert entries(exec_dir) == stored and stored[0].stat().st_size > 1000  # written again, whole
 
 
-def test_off_neither_reads_nor_writes(tiny, ref, cache, monkeypatch):
+def test_off_neither_reads_nor_writes(tiny, ref, exec_dir, monkeypatch):
     monkeypatch.setenv(env.EXEC_CACHE.name, "0")
     tokens(tiny, ref)
-    assert entries(cache) == []
+    assert entries(exec_dir) == []
 
 
 def test_the_key_separates_shapes_statics_and_environments():
