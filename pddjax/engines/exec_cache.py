@@ -141,8 +141,10 @@ def fresh_compile():
         _fresh.on = False
 
 
-def load(name: str):
-    """The executable stored under `name`, or None (absent, or unreadable: then deleted)."""
+def load(name: str, devices: list):
+    """The executable stored under `name`, loaded to run on `devices` (the one its arguments are
+    on; by default a loaded executable spans every device of the backend), or None (absent, or
+    unreadable: then deleted)."""
     path = os.path.join(_folder(), name)
     try:
         with open(path, "rb") as f:
@@ -154,7 +156,7 @@ def load(name: str):
     from jax.experimental.serialize_executable import deserialize_and_load
 
     try:
-        return deserialize_and_load(payload, in_tree, out_tree)
+        return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
     except Exception as e:  # noqa: BLE001 - an entry this backend cannot load: compile instead
         return _drop(path, e)
 

@@ -207,13 +207,19 @@ def _load_or_compile(args: tuple, statics: dict, layout, key: tuple):
     holds it."""
     if (layout is None or layout.mesh is None) and exec_cache.enabled():
         name = exec_cache.key(key[:2], statics)
-        fn = exec_cache.load(name)
+        fn = exec_cache.load(name, _devices(args))
         if fn is None:
             with exec_cache.fresh_compile():
                 fn = _jitted(args, statics, layout).lower(*args, **statics).compile()
             exec_cache.store(name, fn)
         return fn
     return _jitted(args, statics, layout).lower(*args, **statics).compile()
+
+
+def _devices(args: tuple) -> list:
+    """The devices of the step's placed arguments (one, at one device), by id; else the default one."""
+    found = {d for x in jax.tree_util.tree_leaves(args) if hasattr(x, "sharding") for d in x.sharding.device_set}
+    return sorted(found, key=lambda d: d.id) or jax.devices()[:1]
 
 
 def _signature(tree) -> tuple:

@@ -7,6 +7,8 @@ entry is dropped and the variant compiled again; another checkout's stale folder
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -105,3 +107,29 @@ def test_the_code_in_the_key_is_what_a_trace_of_the_step_can_run():
         assert must in closure, must
     for host in ("pddjax/engines/drafter.py", "pddjax/engines/paged_engine.py", "pddjax/engines/speculate.py"):
         assert host not in closure, host
+
+
+def test_a_loaded_variant_runs_at_one_device_of_eight(tmp_path):
+    """In a process with 8 (fake) devices, a one-device engine's variants load onto the device
+    their arguments are on, not across all 8 (a subprocess: the device count is fixed at start)."""
+    code = ("import os\n"
+            "from pddjax.model.jax_setup import configure\n"
+            "configure(devices=8)\n"
+            "import jax\n"
+            "assert len(jax.devices()) == 8\n"
+            "from tests.engines import test_exec_cache as t\n"
+            "from pddjax.engines.reference import ReferenceEngine\n"
+            "from pddjax.model.registry import load_model\n"
+            "tiny = load_model('tiny')\n"
+            "ref = ReferenceEngine(tiny.config, tiny.weights)\n"
+            "from pddjax.engines import step\n"
+            "first = t.tokens(tiny, ref)\n"
+            "step._executables = step.Executables(64)\n"
+            "assert t.tokens(tiny, ref) == first\n"
+            "print('ok', step.executables().built)\n")
+    environ = {**os.environ, env.CACHE_DIR.name: str(tmp_path), env.EXEC_CACHE.name: "1"}
+    environ.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    assert len(entries(tmp_path)) > 0
