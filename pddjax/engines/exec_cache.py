@@ -5,8 +5,9 @@ lowered program, so every start still traces and lowers each step variant it bui
 warm start of the tiny model ~2 of a service's ~4 s; of the real model's whole set, tracing
 8-9 s and lowering 15-17 s). This cache keys a variant by what decides its program instead:
 
-  - the source the step's trace can run (`source_closure`: pddjax/engines/step.py and every
-    pddjax module it imports, transitively: an edit there is a new key); jax's and jaxlib's
+  - the code the step's trace can run (`source_closure`: pddjax/engines/step.py and every
+    pddjax module it imports, transitively, as syntax trees: an edit of that code is a new key,
+    one of a comment or docstring is not); jax's and jaxlib's
     versions, the devices (platform, kind, count), XLA_FLAGS and every jax config value;
   - the step's argument signature (tree structure; each leaf's shape, dtype, sharding, weak
     type) and its statics (model config, max row length, attention implementation, ...).
@@ -78,13 +79,23 @@ def source_closure(module: str = "pddjax.engines.step") -> list[str]:
 
 @functools.cache
 def _code_digest() -> str:
-    """sha256 over `source_closure()` (each file's path and bytes), computed once: an edit to the
-    engine's host code (the scheduler, the drafter) keeps the cache, one to the model does not."""
+    """sha256 over `source_closure()` but this file (each file's path and its syntax tree without
+    docstrings; comments never reach the tree), computed once: an edit to the engine's host code
+    (the scheduler, the drafter) or to a comment or docstring keeps the cache, one to the model's
+    code does not."""
     parent, h = os.path.dirname(PACKAGE), hashlib.sha256()
     for rel in source_closure():
-        h.update(rel.encode() + b"\0")
-        with open(os.path.join(parent, rel), "rb") as f:
-            h.update(f.read())
+        if rel == os.path.join("pddjax", "engines", "exec_cache.py"):
+            continue  # the cache's own code computes nothing in a step
+        with open(os.path.join(parent, rel), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), rel)
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                node.body = body[1:] or [ast.Pass()]
+        h.update(rel.encode() + b"\0" + ast.dump(tree).encode() + b"\0")
     return h.hexdigest()[:32]
 
 

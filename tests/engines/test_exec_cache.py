@@ -133,3 +133,30 @@ def test_a_loaded_variant_runs_at_one_device_of_eight(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
     assert len(entries(tmp_path)) > 0
+
+
+def test_the_digest_follows_code_not_comments_or_docstrings(tmp_path, monkeypatch):
+    """A copy of the package's closure: a comment or a docstring edited keeps the digest, a
+    changed expression in the model does not."""
+    import shutil
+
+    parent = os.path.dirname(exec_cache.PACKAGE)
+    for rel in exec_cache.source_closure():
+        os.makedirs(tmp_path / os.path.dirname(rel), exist_ok=True)
+        shutil.copy(os.path.join(parent, rel), tmp_path / rel)
+
+    def digest() -> str:
+        monkeypatch.setattr(exec_cache, "PACKAGE", str(tmp_path / "pddjax"))
+        exec_cache._code_digest.cache_clear()
+        try:
+            return exec_cache._code_digest()
+        finally:
+            exec_cache._code_digest.cache_clear()
+
+    layers = tmp_path / "pddjax" / "model" / "layers.py"
+    base = digest()
+    text = layers.read_text()
+    layers.write_text(text.replace('"""', '"""Edited. ', 1) + "\n# a comment\n")
+    assert digest() == base
+    layers.write_text(text + "\nSCALE = 2\n")
+    assert digest() != base
