@@ -21,7 +21,7 @@ accepted one resets it: a row with nothing to copy pays for a handful of probes,
 from __future__ import annotations
 
 ALPHA = 0.3  # weight of the latest verification in the acceptance average
-PRIOR = 0.5  # the acceptance average before a row's first verification
+PRIOR = 1.0  # the acceptance average before a row's first verification (0.5 kept short copies from ever drafting)
 OFF_BELOW = 0.15  # acceptance average under which a row stops drafting
 PROBE_EVERY, PROBE_EVERY_MAX = 8, 64  # an off row's wait between probes: first, and after rejected probes
 
