@@ -57,24 +57,28 @@ def source_closure(module: str = "pddjax.engines.step") -> list[str]:
     """The files of `module` and of every pddjax module it imports, transitively (imports inside
     functions too; each module's package __init__ files with it): all the code a trace of the
     step can run, besides jax's and numpy's. Paths relative to the package's parent, sorted."""
-    parent, seen, todo = os.path.dirname(PACKAGE), set(), [module]
+    return sorted(_parsed_closure(module))
+
+
+def _parsed_closure(module: str) -> dict:
+    """`source_closure`'s files -> their syntax trees (each file read and parsed once)."""
+    parent, trees, todo = os.path.dirname(PACKAGE), {}, [module]
     while todo:
-        name = todo.pop()
-        parts = name.split(".")
+        parts = todo.pop().split(".")
         for i in range(1, len(parts) + 1):  # the packages on the way, then the module itself
             base = os.path.join(parent, *parts[:i])
             path = base + ".py" if os.path.isfile(base + ".py") else os.path.join(base, "__init__.py")
-            if path in seen or not os.path.isfile(path):
+            rel = os.path.relpath(path, parent)
+            if rel in trees or not os.path.isfile(path):
                 continue
-            seen.add(path)
             with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read(), path)
+                trees[rel] = tree = ast.parse(f.read(), path)
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
                     todo += [a.name for a in node.names if a.name.split(".")[0] == "pddjax"]
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("pddjax"):
                     todo += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-    return sorted(os.path.relpath(p, parent) for p in seen)
+    return trees
 
 
 @functools.cache
@@ -83,12 +87,11 @@ def _code_digest() -> str:
     docstrings; comments never reach the tree), computed once: an edit to the engine's host code
     (the scheduler, the drafter) or to a comment or docstring keeps the cache, one to the model's
     code does not."""
-    parent, h = os.path.dirname(PACKAGE), hashlib.sha256()
-    for rel in source_closure():
+    h, trees = hashlib.sha256(), _parsed_closure("pddjax.engines.step")
+    for rel in sorted(trees):
         if rel == os.path.join("pddjax", "engines", "exec_cache.py"):
             continue  # the cache's own code computes nothing in a step
-        with open(os.path.join(parent, rel), encoding="utf-8") as f:
-            tree = ast.parse(f.read(), rel)
+        tree = trees[rel]
         for node in ast.walk(tree):
             body = getattr(node, "body", None)
             if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
@@ -102,11 +105,10 @@ def _code_digest() -> str:
 @functools.cache
 def _environment() -> str:
     """What outside the step's arguments decides its program: versions, devices, flags."""
-    import jaxlib
-
     devices = jax.devices()
     config = sorted((k, repr(v)) for k, v in jax.config.values.items())
-    return repr((jax.__version__, jaxlib.__version__, jax.default_backend(), len(devices),
+    return repr((jax.__version__, jax.lib.__version__,  # jax, jaxlib
+                 jax.default_backend(), len(devices),
                  sorted({d.device_kind for d in devices}), os.environ.get("XLA_FLAGS", ""), config))
 
 
