@@ -7,7 +7,7 @@ workloads.py) and stream count (1: the 4 requests one after another; 4: all at o
 prefills untimed, then its decode is timed to the last token:
 
   decode tok/s per stream = decode tokens / decode seconds / streams   (the user's rate)
-  speedup    = on / off (the same tokens: outputs are compared, `exact`)
+  speedup    = on / off over the cell's rounds (the same tokens: outputs are compared, `exact`)
   acceptance = drafts accepted / drafts verified (speculation on)
   exact      = both modes gave the same tokens; where a greedy stream did not, `diverged_at` and
                `mismatch_margins` (the dense reference's top-1 minus top-2 logit there: a verify
@@ -15,9 +15,12 @@ prefills untimed, then its decode is timed to the last token:
 
 Every decode member up to the longest request's page-table width is built first (how many rows a
 step has depends on the drafts the timed cost rule keeps), and a first round of every cell runs
-unmeasured (it compiles what else the measured round will use), so `compiles_measured` must
-read 0; the modes alternate their order per cell. The engine steps run in this process: a cell
-measures the engine, not a stack (`bench serve` does that).
+unmeasured (it compiles what else the measured rounds will use), so `compiles_measured` must
+read 0. Each cell then runs `--rounds` rounds of both modes, their order alternating within the
+cell (off on, on off: the machine's drift over a cell weighs on both modes alike) and across
+cells; the figures are sums over the rounds, with each round's own speedup beside them. The
+engine steps run in this process: a cell measures the engine, not a stack (`bench serve` does
+that).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def register(bsub) -> None:
     p.add_argument("--streams", default=f"1,{STREAMS}", help=f"comma list of stream counts (1..{STREAMS})")
     p.add_argument("--max-tokens", type=int, default=160, help="output tokens per request at most")
     p.add_argument("--spec-max-tokens", type=int, default=4, help="drafted tokens per row per step at most")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="measured rounds of both modes per cell, their order alternating (2: off on, on off)")
     p.add_argument("--json", help="write the figures to this file")
     p.set_defaults(func=run)
 
@@ -75,23 +80,39 @@ def _mode(eng, reqs, streams: int, on: bool, tag: str) -> dict:
     return total
 
 
-def _cell(eng, reqs, streams: int, flip: bool, tag: str) -> dict:
-    order = (True, False) if flip else (False, True)
-    runs = {on: _mode(eng, reqs, streams, on, f"{tag}-{'on' if on else 'off'}") for on in order}
-    off, on = runs[False], runs[True]
-
-    def rate(m):
-        return m["tokens"] / m["seconds"] / streams if m["seconds"] else 0.0
-
-    return {"off_tok_s_per_stream": round(rate(off), 2), "on_tok_s_per_stream": round(rate(on), 2),
-            "speedup": round(rate(on) / rate(off), 3) if rate(off) else None,
+def _cell(eng, reqs, streams: int, flip: bool, tag: str, rounds: int = 1) -> dict:
+    """`rounds` rounds of both modes, their order alternating (off, on / on, off / ...; `flip`
+    starts with on), so a machine that speeds up or slows down within the cell weighs on both
+    modes alike. Seconds, tokens, steps and drafts are summed over the rounds; `speedups` lists
+    each round's own on / off (the spread the cell's `speedup` carries)."""
+    keys = ("seconds", "tokens", "steps", "drafted", "accepted")
+    total = {on: dict.fromkeys(keys, 0) for on in (False, True)}
+    outputs, speedups, every = {}, [], []
+    for i in range(rounds):
+        order = (True, False) if (i % 2 == 1) != flip else (False, True)
+        runs = {on: _mode(eng, reqs, streams, on, f"{tag}-{i}-{'on' if on else 'off'}") for on in order}
+        for on, m in runs.items():
+            for k in keys:
+                total[on][k] += m[k]
+            outputs.setdefault(on, m["outputs"])
+            every.append(m["outputs"])
+        speedups.append(round(_rate(runs[True], streams) / _rate(runs[False], streams), 3)
+                        if _rate(runs[False], streams) else None)
+    off, on = total[False], total[True]
+    return {"off_tok_s_per_stream": round(_rate(off, streams), 2), "on_tok_s_per_stream": round(_rate(on, streams), 2),
+            "speedup": round(_rate(on, streams) / _rate(off, streams), 3) if _rate(off, streams) else None,
+            "speedups": speedups, "rounds": rounds,
             "acceptance": round(on["accepted"] / on["drafted"], 3) if on["drafted"] else 0.0,
             "drafted": on["drafted"], "accepted": on["accepted"], "decode_tokens": on["tokens"],
             "steps_off": off["steps"], "steps_on": on["steps"],
             "decode_s_off": round(off["seconds"], 3), "decode_s_on": round(on["seconds"], 3),
-            "exact": on["outputs"] == off["outputs"],
-            "diverged_at": [[i, _first_difference(a, b)] for i, (a, b) in enumerate(zip(off["outputs"], on["outputs"]))
+            "exact": all(o == outputs[False] for o in every),
+            "diverged_at": [[i, _first_difference(a, b)] for i, (a, b) in enumerate(zip(outputs[False], outputs[True]))
                             if a != b]}
+
+
+def _rate(m: dict, streams: int) -> float:
+    return m["tokens"] / m["seconds"] / streams if m["seconds"] else 0.0
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -120,8 +141,8 @@ def run(args) -> int:
         raise UserError(f"unknown workload(s) {', '.join(bad)}; expected {', '.join(WORKLOADS)}")
     if not streams or any(not 1 <= s <= STREAMS for s in streams):
         raise UserError(f"--streams must be counts in 1..{STREAMS}, got {args.streams!r}")
-    if args.spec_max_tokens < 1 or args.max_tokens < 1:
-        raise UserError("--spec-max-tokens and --max-tokens must be at least 1")
+    if args.spec_max_tokens < 1 or args.max_tokens < 1 or args.rounds < 1:
+        raise UserError("--spec-max-tokens, --max-tokens and --rounds must be at least 1")
     try:
         model = load_model(args.model)
     except (ModelNotFound, GGUFError, ValueError) as e:
@@ -138,7 +159,7 @@ def run(args) -> int:
                         max_rows=rows, speculative="ngram", spec_max_tokens=args.spec_max_tokens)
     eng = PagedEngine(model.config, model.weights, model.fingerprint, ecfg)
     figures = {"model": model.config.name, "backend": jax.default_backend(), "spec_max_tokens": args.spec_max_tokens,
-               "max_tokens": args.max_tokens, "workloads": {}}
+               "max_tokens": args.max_tokens, "rounds": args.rounds, "workloads": {}}
     widest = min((mp for _, _, mp, _ in eng.stated if mp * S >= longest), default=max(s[2] for s in eng.stated))
     for shape in eng.stated:  # which decode members a step takes depends on the drafts the timed
         if shape[3] == 1 and shape[2] <= widest:  # cost rule keeps, so every one is built first
@@ -148,7 +169,8 @@ def run(args) -> int:
         _cell(eng, workloads[w], s, False, f"warm-{w}-{s}")
     before = compile_count()
     for n, (w, s) in enumerate(cells):
-        figures["workloads"].setdefault(w, {})[str(s)] = _cell(eng, workloads[w], s, n % 2 == 1, f"{w}-{s}")
+        figures["workloads"].setdefault(w, {})[str(s)] = _cell(eng, workloads[w], s, n % 2 == 1, f"{w}-{s}",
+                                                               args.rounds)
     figures["compiles_measured"] = compile_count() - before
     for w, cells_ in figures["workloads"].items():  # greedy streams that differ: at a float near-tie?
         for c in cells_.values():
