@@ -65,11 +65,14 @@ class BuildLocks:
             os.close(fd)
 
 
-def build_in_turn(shapes: list, locks: BuildLocks, build, on_built=lambda shape: None) -> None:
+def build_in_turn(shapes: list, locks: BuildLocks, build, on_built=lambda shape: None, reorder=None) -> None:
     """`build(shape)` for every shape, each under its lock: free ones first, in order; when all
-    that are left are locked elsewhere, the first of them once its lock is free."""
+    that are left are locked elsewhere, the first of them once its lock is free. `reorder(todo)`,
+    if given, may reorder what is left (in place) before each pick."""
     todo = list(shapes)
     while todo:
+        if reorder is not None:
+            reorder(todo)
         for shape in todo:
             with locks.held(shape, wait=False) as mine:
                 if mine:

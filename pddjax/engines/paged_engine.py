@@ -64,6 +64,7 @@ from pddjax.model.attention import IMPLS, default_impl
 from pddjax.model.config import ModelConfig
 from pddjax.model.sampling_params import GREEDY, SamplingParams
 
+IDLE_GAP = 0.25  # seconds after a step's end that the engine still counts as busy (`busy`)
 
 class PagedEngine(Engine):
     def __init__(self, cfg: ModelConfig, weights: wmod.Weights, fingerprint: str,
@@ -92,6 +93,7 @@ class PagedEngine(Engine):
         self.stated = buckets.bucket_set(config, cfg)  # every (T, B, MP, Q) a step may have
         self.shapes = list(self.stated)  # the members a step may take now (those built: `precompile`)
         self.background = None  # precompile's BackgroundBuild of the rest (ready "cover")
+        self._step_started = self._step_ended = 0.0  # perf_counter at the last step's start and end (`busy`)
         self._table_width = max(mp for _, _, mp, _ in self.stated)  # a Sequence's page_array length
         self.num_steps = 0
         self.spec_drafted = self.spec_accepted = 0  # draft tokens verified / accepted (speculate.py)
@@ -214,6 +216,19 @@ class PagedEngine(Engine):
 
     def step(self) -> list[TokenEvent]:
         """Run one packed step over all sequences with pending tokens -> a TokenEvent per sampled row."""
+        self._step_started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self._step_ended = time.perf_counter()
+
+    def busy(self) -> bool:
+        """A step in flight, or one ended under IDLE_GAP seconds ago (read from other threads: the
+        background build waits for an idle engine before members no step asked for)."""
+        started, ended = self._step_started, self._step_ended
+        return started > ended or time.perf_counter() - ended < IDLE_GAP
+
+    def _step(self) -> list[TokenEvent]:
         S, t0 = self.config.page_size, time.perf_counter()
         self.step_rows = None  # set once the rows are chosen: what a failing step fails
         # choose: the rows of this step and the member of the stated shape set they pad to
@@ -229,8 +244,10 @@ class PagedEngine(Engine):
                                 self.config.spec_max_tokens, self.step_costs) if speculates else {}
         run_rows, first = speculate.expand(rows, drafts) if drafts else (rows, range(len(rows)))
         width = max(pages_needed(seq.pages.num_tokens + n, S) for seq, n in run_rows)  # the widest page table
-        shape = buckets.fit(self.shapes, sum(n for _, n in run_rows), len(run_rows), width,
-                            max(n for _, n in run_rows))
+        tokens, q = sum(n for _, n in run_rows), max(n for _, n in run_rows)
+        shape = buckets.fit(self.shapes, tokens, len(run_rows), width, q)
+        if self.background is not None and len(self.shapes) < len(self.stated):
+            self._ask_for_own(shape, run_rows, tokens, width, q)
         batch, sample_rows, greedy = self._build(run_rows, shape)
         pen = self.penalties.prepare(run_rows, sample_rows) if self.penalties is not None else None
         mask = step_batch.token_masks(run_rows, sample_rows, shape[1], self._mask_words)  # [B, W] or None
@@ -285,6 +302,21 @@ class PagedEngine(Engine):
             return pending
         keep = {id(s) for s in sorted(pen, key=lambda s: (s.pen_row < 0, self.penalties.used_by(s)))[:rows]}
         return [s for s in pending if not s.params.penalised or id(s) in keep]
+
+    def _ask_for_own(self, shape: buckets.Shape, run_rows, tokens: int, width: int, q: int) -> None:
+        """While the background build runs: ask it for the members this step would have taken
+        with the whole set built (it padded past them), and for a lone row cut short, the
+        member that holds the rest of it (`BackgroundBuild.want`: built next)."""
+        own = buckets.fit(self.stated, tokens, len(run_rows), width, q)
+        if own != shape:
+            self.background.want(own)
+        seq, n = run_rows[0]
+        if len(run_rows) == 1 and 1 < n < seq.num_pending:
+            rest = min(seq.num_pending, self.config.max_step_tokens)
+            whole = buckets.fit(self.stated, rest, 1, pages_needed(seq.pages.num_tokens + rest, self.config.page_size),
+                                rest)
+            if whole is not None and whole not in self.shapes:
+                self.background.want(whole)
 
     def _device_step(self, batch, sampling: tuple, *, max_q_len: int, greedy: bool):
         """The device call of a step: forward + sample, the pool (and penalty tables) advanced

@@ -12,8 +12,14 @@ stays 0 (serving/engine/worker.py). The step executable LRU is raised to hold th
   `BackgroundBuild` compiles the rest in a thread at a lower CPU priority, the KV buckets first,
   then the members cheapest first (the small decode steps a light load runs), each member
   joining `engine.shapes` once built; a step always takes the best member already built, a KV
-  copy the smallest bucket built that holds its run. With PDDJAX_BACKGROUND_BUILD=0 the rest is
-  never built (the test suite's stacks, quick development runs): steps pad into the covering set.
+  copy the smallest bucket built that holds its run. A step that had to pad past its own member
+  (not built yet) asks for it (`BackgroundBuild.want`), and what steps asked for is built next,
+  before any other member or KV bucket: the shapes the first requests run arrive first (on the
+  real model a covering member has the widest page table, and its decode step costs ~4x a
+  narrow one's). Members and KV buckets no step asked for wait for an idle engine
+  (`engine.busy()` false), so the first requests do not share the cores with them. With
+  PDDJAX_BACKGROUND_BUILD=0 the rest is never built (the test suite's stacks, quick development
+  runs): steps pad into the covering set.
 Each member is built under its program's lock (engines/build_locks.py): services that run the
 same programs split the compiles between them and read each other's from the cache.
 A tensor-parallel engine builds the same set, each member its sharded executable
@@ -22,6 +28,7 @@ A tensor-parallel engine builds the same set, each member its sharded executable
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import threading
@@ -42,6 +49,7 @@ KV_MIN_BUCKET = copies.MIN_BUCKET  # a KV run's tokens pad to 16, 32, 64, ...
 KV_COVER_STRIDE = 3  # under "cover", every third KV bucket (8x apart) is built before serving
 READY = ("all", "cover")
 BACKGROUND_NICE = 10  # the background builder's thread runs this much below the engine's
+IDLE_POLL = 0.02  # seconds between the background builder's looks at a busy engine
 
 
 def dummy_batch(shape: buckets.Shape, vocab_size: int | None = None) -> tuple[PackedBatch, tuple]:
@@ -122,10 +130,14 @@ class BackgroundBuild:
     as it is held (kv/copies.py). `built` counts members, `kv_built` KV buckets, `variants_built`
     of `variants_total` both as executables (the worker keeps them out of
     pddjax_jit_compiles_after_ready); `done` is set at the end, `error` holds what stopped it (one
-    line on stderr; the engine keeps serving with what it has)."""
+    line on stderr; the engine keeps serving with what it has). `want(shape)` (from the engine's
+    thread) puts a pending member ahead of every other build, first asked first built."""
 
     def __init__(self, engine, shapes: list[buckets.Shape], log=None, kv: tuple = (None, ())):
         self.engine, self.pending = engine, list(shapes)
+        self.asked: list[buckets.Shape] = []  # members steps asked for, in order (each once)
+        self._asked_set: set = set()
+        self._wanted: collections.deque = collections.deque()  # asked, not yet moved ahead
         self.kv_pool, self.kv_pending = kv[0], list(kv[1])
         self.built = self.kv_built = 0
         self.seconds, self.error = 0.0, None
@@ -143,6 +155,26 @@ class BackgroundBuild:
     @property
     def variants_built(self) -> int:
         return self.built + 2 * self.kv_built
+
+    def want(self, shape: buckets.Shape) -> None:
+        """A step padded past `shape` (its own member, not built yet): build it next. Cheap and
+        thread-safe (a deque append); a shape asked before changes nothing."""
+        if shape not in self._asked_set and not self.done.is_set():
+            self._asked_set.add(shape)
+            self.asked.append(shape)
+            self._wanted.append(shape)
+
+    def _wanted_first(self, todo: list) -> None:
+        """Move the members newly asked for that are still in `todo` to its front, behind those
+        asked before (already there): first asked, first built."""
+        new = []
+        while self._wanted:
+            shape = self._wanted.popleft()
+            if shape in todo:
+                new.append(shape)
+        if new:
+            earlier = [s for s in todo if s in self._asked_set and s not in new]
+            todo[:] = earlier + new + [s for s in todo if s not in self._asked_set]
 
     def _run(self) -> None:
         try:
@@ -162,14 +194,37 @@ class BackgroundBuild:
                 raise _Stopped
             build_shape(self.engine, shape, behind=True)
 
+        locks, members = BuildLocks.for_engine(self.engine), list(self.pending)
+
+        def idle_or_asked() -> None:  # what no step asked for waits for an idle engine
+            busy = getattr(self.engine, "busy", lambda: False)
+            while busy() and not self._wanted and not self._stopping.is_set():
+                self._stopping.wait(IDLE_POLL)
+            if self._stopping.is_set():
+                raise _Stopped
+
+        def reorder(todo: list) -> None:
+            idle_or_asked()
+            self._wanted_first(todo)
+
+        def asked_now() -> None:  # members steps asked for go ahead of the KV buckets too
+            idle_or_asked()
+            while self._wanted:
+                self._wanted_first(members)
+                todo = [s for s in members if s in self._asked_set]
+                build_in_turn(todo, locks, build, joined)
+                members[:] = [s for s in members if s not in todo]
+                idle_or_asked()
+
         try:
             for n in self.kv_pending:
                 if self._stopping.is_set():
                     raise _Stopped
+                asked_now()
                 build_kv(self.kv_pool, n, behind=True)
                 self.kv_built += 1
                 self.on_progress()
-            build_in_turn(self.pending, BuildLocks.for_engine(self.engine), build, joined)
+            build_in_turn(members, locks, build, joined, reorder=reorder)
         except _Stopped:
             pass
         except Exception as e:  # noqa: BLE001 - a failed build leaves the engine on what it has

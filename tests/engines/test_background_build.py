@@ -236,3 +236,97 @@ def test_stop_ends_the_build_after_the_member_in_flight(tiny, monkeypatch):
     assert eng.background.stop(120)  # waits for the member in flight, builds no other
     assert eng.background.done.is_set() and eng.background.error is None
     assert eng.background.variants_built <= 2 and eng.background.built == 0 < len(eng.background.pending)
+
+
+def test_the_members_steps_padded_past_are_built_first(tiny, monkeypatch):
+    """A short prompt on the cover alone pads every step to the widest page table; each step asks
+    for its own member, and once the builder goes on those are built before any other member
+    (first asked, first built), and the KV buckets wait behind them too."""
+    config, _ = CONFIGS["tiny"]
+    eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, config)
+    go = hold_background(monkeypatch)
+    order: list = []
+    for name in ("build_shape", "build_kv"):
+        build = getattr(precompile, name)
+
+        def recorded(*args, _build=build, **kw):
+            if threading.current_thread().name == "background-build":
+                order.append(args[-1])
+            _build(*args, **kw)
+
+        monkeypatch.setattr(precompile, name, recorded)
+    eng.precompile("cover")
+    cover = buckets.covering_set(eng.stated)
+    run(eng, ReferenceEngine(tiny.config, tiny.weights), {"a": (prompt(20, 3), GREEDY), "b": (prompt(5, 4), SEEDED)},
+        set())
+    asked = eng.background.asked
+    assert asked and not set(asked) & set(cover), asked  # steps asked for members the cover lacks
+    assert len(asked) == len(set(asked))
+    assert set(asked) <= set(eng.stated)
+    go.set()
+    assert eng.background.wait(300) and eng.background.error is None
+    # the builder held its first KV bucket (already in `order`) while the steps asked
+    first_members = [x for x in order if isinstance(x, tuple)][:len(asked)]
+    assert first_members == asked, (order[:len(asked) + 2], asked)
+    assert order.index(asked[-1]) < next(i for i, x in enumerate(order[1:], 1) if isinstance(x, int))
+    assert eng.shapes == eng.stated
+    used: set = set()
+    run(eng, ReferenceEngine(tiny.config, tiny.weights), {"c": (prompt(20, 3), GREEDY)}, used)
+    assert used - set(cover), used  # the same request now runs its own members
+
+
+def test_while_the_engine_is_busy_only_what_steps_ask_for_is_built(tiny):
+    """Members and KV buckets no step asked for wait for an idle engine (`busy()` false); a
+    member a step asks for is built at once, busy or not."""
+    config, _ = CONFIGS["tiny"]
+    eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, config)
+    busy = threading.Event()
+    busy.set()
+    eng.busy = busy.is_set  # as if requests were running from the start
+    eng.precompile("cover")
+    bg = eng.background
+    threading.Event().wait(0.5)
+    assert bg.variants_built == 0 and not bg.done.is_set()
+    member = bg.pending[-1]  # the costliest, last in the set's own order
+    bg.want(member)
+    for _ in range(600):
+        if bg.built:
+            break
+        threading.Event().wait(0.05)
+    threading.Event().wait(0.3)
+    assert bg.built == 1 and bg.kv_built == 0 and member in eng.shapes, (bg.built, bg.kv_built)
+    busy.clear()
+    assert bg.wait(300) and bg.error is None and eng.shapes == eng.stated
+
+
+def test_an_engine_is_busy_during_a_step_and_shortly_after(tiny):
+    config, _ = CONFIGS["tiny"]
+    eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, config)
+    assert not eng.busy()
+    seen = []
+    eng._device_step = (lambda f: lambda *a, **k: (seen.append(eng.busy()), f(*a, **k))[1])(eng._device_step)
+    eng.add("a", prompt(5, 1), GREEDY, 3, ())
+    while eng.has_work():
+        eng.step()
+    assert seen and all(seen) and eng.busy()
+    threading.Event().wait(precompile_idle_gap() + 0.05)
+    assert not eng.busy()
+
+
+def precompile_idle_gap() -> float:
+    from pddjax.engines import paged_engine
+
+    return paged_engine.IDLE_GAP
+
+
+@pytest.mark.parametrize("n, on_cover, on_set", [(64, 16, 64), (5, 5, 5), (100, 100, 100), (300, 256, 256)])
+def test_a_prompt_alone_is_not_padded_past_three_times_its_tokens_while_a_chunk_member_holds_part(n, on_cover, on_set):
+    """The real model's cover has 16- and 256-token chunks at the widest table: a 64-token
+    prompt there runs 16 tokens a step (padded to 256 it took 7.3 s against ~0.3 s a chunk);
+    the whole set holds it in one step; a 5-token prompt has no tighter chunk and runs at once."""
+    config, model = CONFIGS["prefill / main"]
+    stated = buckets.bucket_set(config, model)
+    for members, want in ((buckets.covering_set(stated), on_cover), (stated, on_set)):
+        rows, _ = buckets.pack_rows(members, config.pad_limit, [Row(n, 0)], config.max_step_tokens,
+                                    config.max_rows, False, config.page_size, lambda r: r.start)
+        assert [k for _, k in rows] == [want]
