@@ -1,14 +1,19 @@
 """Prompt-lookup drafts for speculative decoding (plain Python, no jax, no numpy needed).
 
 One `Drafter` per sequence holds its context (prompt + output) and an n-gram index over it:
-for every n in 1..max_ngram, the n-gram ending just before each position maps to the most
-recent position that followed it. Appending a token adds max_ngram entries (O(new tokens) per
+for every n in min_ngram..max_ngram, the n-gram ending just before each position maps to the
+most recent position that followed it. Appending a token adds an entry per n (O(new tokens) per
 step, never a rescan); the n-grams ending at the last token are indexed one token late, so a
 lookup of the context's own suffix finds an *earlier* occurrence only.
 
-`propose(limit)`: the longest suffix (n from max_ngram down to 1) seen earlier proposes the
-tokens that followed it, up to k (the row's adaptive draft length, at most `limit`). A match
+`propose(limit)`: the longest suffix (n from max_ngram down to min_ngram) seen earlier proposes
+the tokens that followed it, up to k (the row's adaptive draft length, at most `limit`). A match
 whose continuation runs into the suffix itself repeats with its period (a loop keeps looping).
+`MIN_NGRAM` is 2: a single token seen before is weak evidence (most of text's tokens recur), and
+its rejected drafts pulled a copying row's acceptance, and so its k, down (an offline replay of
+`bench speculative`'s outputs through this drafter and the cost rule, the engine's measured step
+costs: copy at 1 stream 1.29x -> 1.59x, 259 -> 359 drafted and 188 -> 289 accepted; agentic and
+nomatch within 0.05x).
 
 Adaptive k (`feedback(drafted, accepted)` after each verification): k doubles (to the bound)
 when a whole draft is accepted, else becomes accepted + 1; an exponential average of the
@@ -24,15 +29,16 @@ ALPHA = 0.3  # weight of the latest verification in the acceptance average
 PRIOR = 1.0  # the acceptance average before a row's first verification (0.5 kept short copies from ever drafting)
 OFF_BELOW = 0.15  # acceptance average under which a row stops drafting
 PROBE_EVERY, PROBE_EVERY_MAX = 8, 64  # an off row's wait between probes: first, and after rejected probes
+MIN_NGRAM = 2  # the shortest suffix whose earlier occurrence proposes a draft
 
 
 class Drafter:
-    def __init__(self, tokens: list[int], max_tokens: int, max_ngram: int = 3):
+    def __init__(self, tokens: list[int], max_tokens: int, max_ngram: int = 3, min_ngram: int = MIN_NGRAM):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"spec_max_tokens must be a positive integer, got {max_tokens!r}")
-        if not isinstance(max_ngram, int) or max_ngram < 1:
-            raise ValueError(f"max_ngram must be a positive integer, got {max_ngram!r}")
-        self.max_tokens, self.max_ngram = max_tokens, max_ngram
+        if not isinstance(max_ngram, int) or not isinstance(min_ngram, int) or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-gram lengths must be integers with 1 <= min <= max, got {min_ngram!r}..{max_ngram!r}")
+        self.max_tokens, self.max_ngram, self.min_ngram = max_tokens, max_ngram, min_ngram
         self.k = max_tokens  # the next draft's length (0: off, probing)
         self.acceptance = PRIOR  # exponential average of accepted / drafted
         self.drafted = self.accepted = 0  # totals over the sequence's life
@@ -53,7 +59,7 @@ class Drafter:
         old = len(self.tokens)
         self.tokens.extend(int(t) for t in tokens)
         new, toks = len(self.tokens), self.tokens
-        for n in range(1, self.max_ngram + 1):
+        for n in range(self.min_ngram, self.max_ngram + 1):
             lo = max(old, n)  # the token at position i continues the n-gram toks[i - n:i]
             if lo < new:
                 grams = zip(*(toks[lo - n + j:new - n + j] for j in range(n)))
@@ -95,7 +101,7 @@ class Drafter:
         L = len(self.tokens)
         if k < 1 or L < 1:
             return []
-        for n in range(min(self.max_ngram, L), 0, -1):
+        for n in range(min(self.max_ngram, L), self.min_ngram - 1, -1):
             s = self.index.get(tuple(self.tokens[L - n:]))
             if s is not None and s < L:
                 period = L - s  # the continuation runs into the suffix: repeat what followed
@@ -126,7 +132,7 @@ class Drafter:
         """The index is exactly what a rescan of the context gives; k and the totals in bounds."""
         expected: dict[tuple[int, ...], int] = {}
         for i in range(1, len(self.tokens)):
-            for n in range(1, min(self.max_ngram, i) + 1):
+            for n in range(self.min_ngram, min(self.max_ngram, i) + 1):
                 expected[tuple(self.tokens[i - n:i])] = i
         assert self.index == expected, "drafter index differs from a rescan of its context"
         assert 0 <= self.k <= self.max_tokens, f"draft length {self.k} outside 0..{self.max_tokens}"

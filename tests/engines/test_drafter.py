@@ -10,7 +10,7 @@ from pddjax.engines.drafter import Drafter
 
 def test_longest_recent_ngram_proposes_its_continuation():
     # "1 2 3" occurs twice with different continuations: the latest (-> 7 8) wins
-    d = Drafter([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 6, 2, 3], max_tokens=2)
+    d = Drafter([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 6, 2, 3], max_tokens=2, min_ngram=1)
     assert d.propose(8) == [7, 8]  # suffix "2 3": latest earlier occurrence followed by 7 8
     d.extend([1])
     assert d.propose(8) == [2, 3]  # "2 3 1", "3 1" never seen: "1" -> 2 3
@@ -18,7 +18,7 @@ def test_longest_recent_ngram_proposes_its_continuation():
 
 
 def test_no_match_and_limit():
-    d = Drafter([1, 2, 3, 4], max_tokens=4)
+    d = Drafter([1, 2, 3, 4], max_tokens=4, min_ngram=1)
     assert d.propose(4) == []  # suffix 4 never seen before
     d.extend([2])
     assert d.propose(4) == [3, 4, 2, 3]  # the continuation runs into the suffix: repeats its period
@@ -27,7 +27,7 @@ def test_no_match_and_limit():
 
 
 def test_the_suffix_itself_is_not_a_match():
-    d = Drafter([5], max_tokens=3)
+    d = Drafter([5], max_tokens=3, min_ngram=1)
     assert d.propose(3) == []
     d.extend([5])
     assert d.propose(3) == [5, 5, 5]  # an earlier 5 was followed by 5: a loop keeps looping
@@ -35,7 +35,7 @@ def test_the_suffix_itself_is_not_a_match():
 
 def test_index_grows_by_appends_only_and_matches_a_rescan():
     rng = random.Random(0)
-    d = Drafter([rng.randrange(6) for _ in range(50)], max_tokens=4, max_ngram=4)
+    d = Drafter([rng.randrange(6) for _ in range(50)], max_tokens=4, max_ngram=4, min_ngram=1)
     context = list(d.tokens)
     for _ in range(40):
         new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
@@ -59,7 +59,7 @@ def test_sync_reads_only_new_tokens(monkeypatch):
 
 def test_check_integrity_catches_a_stale_index():
     d = Drafter([1, 2, 3, 1, 2], max_tokens=4)
-    d.index[(2,)] = 0
+    d.index[(1, 2)] = 0
     with pytest.raises(AssertionError):
         d.check_integrity()
 
@@ -112,9 +112,22 @@ def test_rejected_probes_wait_longer_and_an_accepted_one_resets_the_wait():
     d.check_integrity()
 
 
+def test_a_lone_token_seen_before_proposes_nothing_by_default():
+    """MIN_NGRAM = 2: "... 9 4" after an earlier "4 7" is no match, "3 4" after an earlier "3 4 7" is."""
+    d = Drafter([1, 2, 3, 4, 7, 8, 9, 4], max_tokens=2)
+    assert d.min_ngram == dmod.MIN_NGRAM == 2 and d.propose(4) == []
+    assert Drafter(list(d.tokens), max_tokens=2, min_ngram=1).propose(4) == [7, 8]
+    d.extend([5, 3, 4])
+    assert d.propose(4) == [7, 8]
+    assert all(len(gram) >= 2 for gram in d.index)
+    d.check_integrity()
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="spec_max_tokens"):
         Drafter([1], max_tokens=0)
+    with pytest.raises(ValueError, match="n-gram"):
+        Drafter([1], max_tokens=2, min_ngram=4)
     d = Drafter([1], max_tokens=2)
     with pytest.raises(ValueError, match="accepted"):
         d.feedback(2, 3)
