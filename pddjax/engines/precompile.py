@@ -16,8 +16,10 @@ stays 0 (serving/engine/worker.py). The step executable LRU is raised to hold th
   (not built yet) asks for it (`BackgroundBuild.want`), and what steps asked for is built next,
   before any other member or KV bucket: the shapes the first requests run arrive first (on the
   real model a covering member has the widest page table, and its decode step costs ~4x a
-  narrow one's). Members and KV buckets no step asked for wait for an idle engine
-  (`engine.busy()` false), so the first requests do not share the cores with them. With
+  narrow one's). The KV buckets follow at once (few, and a KV run pads to the smallest one
+  built: P's push and MD's import of a 1.3K-token prompt padded to the largest were what made
+  the demo's KV arrive after RLD had finished); members no step asked for then wait for an idle
+  engine (`engine.busy()` false), so the first requests do not share the cores with them. With
   PDDJAX_BACKGROUND_BUILD=0 the rest is never built (the test suite's stacks, quick development
   runs): steps pad into the covering set.
 Each member is built under its program's lock (engines/build_locks.py): services that run the
@@ -208,13 +210,11 @@ class BackgroundBuild:
             self._wanted_first(todo)
 
         def asked_now() -> None:  # members steps asked for go ahead of the KV buckets too
-            idle_or_asked()
             while self._wanted:
                 self._wanted_first(members)
                 todo = [s for s in members if s in self._asked_set]
                 build_in_turn(todo, locks, build, joined)
                 members[:] = [s for s in members if s not in todo]
-                idle_or_asked()
 
         try:
             for n in self.kv_pending:

@@ -26,6 +26,7 @@ WAN = ["--wan-mbps", "100", "--wan-latency-ms", "20"]
 DOC_ENTRIES = 22  # ~1,300 prompt tokens: the transfer (~5 s at 100 Mb/s) outlasts RLD's first tokens
 DOC_QUESTION = "Summarize the logbook above: for each entry, name the keeper, the lighthouse and what they did."
 DOC_MAX_TOKENS = 160  # RLD decodes ~10-20 tok/s here: the handoff comes well before the answer ends
+FIRST_TURN = "Hello! Who are you?"  # a short turn the moment the stack serves, before the warm-up
 TURNS = ["Which keeper rescued a fishing crew, and at which lighthouse?",
          "Write a haiku about that lighthouse."]
 TURN_MAX_TOKENS = 48
@@ -195,12 +196,19 @@ def main() -> int:
             print(f"OpenAI-compatible API on {st['openai']}: while the demo runs, chat from another terminal with\n"
                   f"  {curl_line(st['openai'])}")
         client = Client(st["router"])
-        print("warming up (compiles what the engines did not precompile; the router measures the link and RLD; "
-              "another logbook for the long context) ...", flush=True)
         t1 = time.perf_counter()
-        for warm in ("Hello!", "Tell me something about rivers, in one sentence."):
-            client.generate(make_request(chat=[{"role": "user", "content": warm}], max_tokens=16, pipeline="pdd"),
-                            timeout=600)
+        print(f"\n>>> {FIRST_TURN}\n", flush=True)  # streamed as soon as the stack serves
+        first: list[float] = []
+
+        def show(m) -> None:
+            first or first.append(time.perf_counter() - t0)
+            print(m.text, end="", flush=True)
+
+        client.generate(make_request(chat=[{"role": "user", "content": FIRST_TURN}], max_tokens=16, pipeline="pdd"),
+                        timeout=600, on_tokens=show)
+        print(f"\n[first token {first[0] if first else 0:.0f} s after `pddjax up` started]\n")
+        print("warming up on another logbook (the long context's step shapes, the link and RLD measured) ...",
+              flush=True)
         client.generate(make_request(chat=[{"role": "user", "content": doc_message(year=1908)}],
                                      max_tokens=DOC_MAX_TOKENS, pipeline="pdd", ignore_eos=True), timeout=600)
         print(f"warm in {time.perf_counter() - t1:.0f} s")

@@ -143,3 +143,59 @@ def test_stats_the_operators_view_is_not_answered_to_remote_users():
     local, refused = asyncio.run(main())
     assert "10.0.0.3:1" in local.json  # the operator, on the router's host, sees the addresses
     assert refused is not None and refused[0] == grpc.StatusCode.PERMISSION_DENIED, refused
+
+
+def test_a_slow_health_answer_counts_only_when_it_repeats():
+    """A timeout (alive but busy: a service compiling on a loaded host) takes an instance out only
+    after SLOW_CHECKS in a row; an answer resets the count; NOT_SERVING or a failed call counts
+    at once."""
+    inst = pools.Instance("prefill", "127.0.0.1:1")
+    for _ in range(pools.SLOW_CHECKS - 1):
+        assert pools.judge(inst, None) is True
+    assert pools.judge(inst, True) is True and inst.slow_checks == 0
+    answers = [pools.judge(inst, None) for _ in range(pools.SLOW_CHECKS)]
+    assert answers == [True] * (pools.SLOW_CHECKS - 1) + [False]
+    pools.set_health(inst, False)
+    assert pools.judge(inst, None) is False  # still silent: stays out
+    assert pools.judge(inst, True) is True
+    assert pools.judge(inst, False) is False  # answered NOT_SERVING / refused: out at once
+
+
+def test_a_live_instance_that_answers_late_stays_in_the_rotation():
+    async def main():
+        delay = {"s": 0.0}
+
+        class Slow(health_pb2_grpc.HealthServicer):
+            async def Check(self, request, context):
+                await asyncio.sleep(delay["s"])
+                return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(Slow(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        pool = pools.Pool("prefill", [f"127.0.0.1:{port}"])
+        inst, counters = pool.instances[0], {}
+        task = asyncio.create_task(pools.health_loop([pool], 0.01, 0.1, counters))
+        try:
+            await asyncio.sleep(0.3)
+            delay["s"] = 0.15  # each check times out
+            seen = set()  # (slow checks so far, healthy) as the loop goes
+            for _ in range(200):
+                seen.add((min(inst.slow_checks, pools.SLOW_CHECKS), inst.healthy))
+                if not inst.healthy:
+                    break
+                await asyncio.sleep(0.01)
+            assert not inst.healthy and inst.slow_checks >= pools.SLOW_CHECKS
+            assert (1, True) in seen and (pools.SLOW_CHECKS - 1, True) in seen, seen  # in through the first ones
+            delay["s"] = 0.0
+            for _ in range(100):
+                if inst.healthy:
+                    break
+                await asyncio.sleep(0.02)
+            assert inst.healthy and counters == {"health_left": 1, "health_back": 1}
+        finally:
+            task.cancel()
+            await server.stop(None)
+
+    asyncio.run(main())
