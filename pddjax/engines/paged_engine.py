@@ -66,6 +66,7 @@ from pddjax.model.sampling_params import GREEDY, SamplingParams
 
 IDLE_GAP = 0.25  # seconds after a step's end that the engine still counts as busy (`busy`)
 
+
 class PagedEngine(Engine):
     def __init__(self, cfg: ModelConfig, weights: wmod.Weights, fingerprint: str,
                  config: EngineConfig | None = None, grammar=None):

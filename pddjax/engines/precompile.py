@@ -199,8 +199,7 @@ class BackgroundBuild:
         locks, members = BuildLocks.for_engine(self.engine), list(self.pending)
 
         def idle_or_asked() -> None:  # what no step asked for waits for an idle engine
-            busy = getattr(self.engine, "busy", lambda: False)
-            while busy() and not self._wanted and not self._stopping.is_set():
+            while self.engine.busy() and not self._wanted and not self._stopping.is_set():
                 self._stopping.wait(IDLE_POLL)
             if self._stopping.is_set():
                 raise _Stopped
