@@ -87,26 +87,31 @@ def build_kv(pool, n: int, behind: bool = False) -> None:
     copies.copies().build(pool, n, behind)
 
 
-def build_shape(engine, shape: buckets.Shape, behind: bool = False) -> None:
-    """Compile (or load) the step variant of one member."""
+def build_shape(engine, shape: buckets.Shape, behind: bool = False) -> int:
+    """Compile (or load) the forward of one member, and the sampler of its row count if not held
+    -> programs built now (0-2)."""
     batch, sampling = dummy_batch(shape)
-    step.build_step(engine.weights, engine.cfg, batch, engine.pool, sampling, max_q_len=shape[3],
-                    impl=engine.config.attention, layout=engine.layout, behind=behind)
+    return step.build_step(engine.weights, engine.cfg, batch, engine.pool, sampling, max_q_len=shape[3],
+                           impl=engine.config.attention, layout=engine.layout, behind=behind).built
 
 
 def precompile(engine, ready: str = "all", clock=None) -> tuple[int, float]:
-    """-> (variants built or loaded before serving, seconds). Nothing runs: the pool is
+    """-> (programs built or loaded before serving: a forward per member, a sampler per B, two
+    KV copies per bucket; seconds). Nothing runs: the pool is
     untouched. With ready "cover" the rest of the set is `engine.background` (a started
     BackgroundBuild). `clock` (a StartupClock) times the phases shapes_s and kv_copies_s."""
     if ready not in READY:
         raise ValueError(f"ready must be one of {', '.join(READY)}, got {ready!r}")
     t0 = time.perf_counter()
     execs = step.executables()
-    if execs.capacity < len(engine.stated) + HEADROOM:
-        execs.resize(len(engine.stated) + HEADROOM)
+    samplers = sorted({s[1] for s in engine.stated})  # one per row count B
+    if execs.capacity < len(engine.stated) + len(samplers) + HEADROOM:
+        execs.resize(len(engine.stated) + len(samplers) + HEADROOM)
     first = engine.stated if ready == "all" else buckets.covering_set(engine.stated)
     with startup_clock.phase(clock, "shapes_s"):
         build_in_turn(first, BuildLocks.for_engine(engine), lambda shape: build_shape(engine, shape))
+        for rows in samplers:  # every B's, so that a member built later is its forward alone
+            step.build_sampler(engine.cfg, rows, engine.layout)
         engine.shapes = list(first)
         step.release_tracing_caches()  # held executables stay; JAX's per-shape lowering caches go
     pool, kv = copies.abstract(engine.pool), kv_buckets(engine)
@@ -117,7 +122,7 @@ def precompile(engine, ready: str = "all", clock=None) -> tuple[int, float]:
     rest, kv_rest = [s for s in engine.stated if s not in first], [n for n in kv if n not in kv_first]
     if (rest or kv_rest) and env.BACKGROUND_BUILD.get():
         engine.background = BackgroundBuild(engine, rest, kv=(pool, kv_rest))
-    return len(first) + 2 * len(kv_first), time.perf_counter() - t0
+    return len(first) + len(samplers) + 2 * len(kv_first), time.perf_counter() - t0
 
 
 class _Stopped(Exception):
