@@ -22,6 +22,7 @@ import os
 from pddjax import env
 
 PROGRAM_FIELDS = ("dtype", "page_size", "num_pages", "attention", "tensor_parallel")  # EngineConfig's part
+SAMPLER_FIELDS = ("tensor_parallel",)  # a sampler's program depends on the model's vocabulary and the mesh alone
 
 
 class BuildLocks:
@@ -31,12 +32,14 @@ class BuildLocks:
             os.makedirs(folder, exist_ok=True)
 
     @classmethod
-    def for_engine(cls, engine) -> BuildLocks:
+    def for_engine(cls, engine, fields: tuple = PROGRAM_FIELDS) -> BuildLocks:
+        """The locks of an engine's step forwards (`fields`: SAMPLER_FIELDS for its samplers, which
+        engines of one model share whatever their pool)."""
         import jax
 
         cfg = engine.config
         ident = "|".join([engine.fingerprint, jax.default_backend(), jax.__version__,
-                          *(f"{f}={getattr(cfg, f)}" for f in PROGRAM_FIELDS)])
+                          *(f"{f}={getattr(cfg, f)}" for f in fields)])
         return cls(os.path.join(env.jit_cache_dir(), "locks"), ident)
 
     def _path(self, shape) -> str:

@@ -22,8 +22,11 @@ stays 0 (serving/engine/worker.py). The step executable LRU is raised to hold th
   engine (`engine.busy()` false), so the first requests do not share the cores with them. With
   PDDJAX_BACKGROUND_BUILD=0 the rest is never built (the test suite's stacks, quick development
   runs): steps pad into the covering set.
-Each member is built under its program's lock (engines/build_locks.py): services that run the
-same programs split the compiles between them and read each other's from the cache.
+A step is two programs (engines/step.py): a forward per member and a sampler per row count B.
+Every B's sampler is built before the first members, so a member built later is its forward
+alone. Each program is built under its lock (engines/build_locks.py): services that run the same
+programs split the compiles between them and read each other's from the cache (the samplers
+are shared by every engine of a model and mesh, whatever its pool).
 A tensor-parallel engine builds the same set, each member its sharded executable
 (`engine.layout`), and the KV copies on its sharded pool.
 """
@@ -40,7 +43,7 @@ import numpy as np
 
 from pddjax import env
 from pddjax.engines import buckets, startup_clock, step
-from pddjax.engines.build_locks import BuildLocks, build_in_turn
+from pddjax.engines.build_locks import SAMPLER_FIELDS, BuildLocks, build_in_turn
 from pddjax.kv import copies
 from pddjax.kv.allocator import NULL_PAGE
 from pddjax.model.paged import PackedBatch
@@ -109,9 +112,10 @@ def precompile(engine, ready: str = "all", clock=None) -> tuple[int, float]:
         execs.resize(len(engine.stated) + len(samplers) + HEADROOM)
     first = engine.stated if ready == "all" else buckets.covering_set(engine.stated)
     with startup_clock.phase(clock, "shapes_s"):
+        # every B's sampler first (a member built later is then its forward alone)
+        build_in_turn([(b,) for b in samplers], BuildLocks.for_engine(engine, SAMPLER_FIELDS),
+                      lambda rows: step.build_sampler(engine.cfg, rows[0], engine.layout))
         build_in_turn(first, BuildLocks.for_engine(engine), lambda shape: build_shape(engine, shape))
-        for rows in samplers:  # every B's, so that a member built later is its forward alone
-            step.build_sampler(engine.cfg, rows, engine.layout)
         engine.shapes = list(first)
         step.release_tracing_caches()  # held executables stay; JAX's per-shape lowering caches go
     pool, kv = copies.abstract(engine.pool), kv_buckets(engine)

@@ -280,7 +280,7 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None, openai: dict 
         background = getattr(worker.engine, "background", None)
         if background is not None:  # its progress in the gauges even while no request comes
             background.on_progress = lambda: worker.run_soon(_refresh_gauges)
-            worker.run_soon(_refresh_gauges)
+        metrics.engine_snapshot(await worker.call(lambda _engine: worker.snapshot()))  # gauges from SERVING on
         # repeated engine faults flip health (the router routes around), a quiet window restores it
         worker.faults.post_health = lambda ok: loop.call_soon_threadsafe(
             lambda: loop.create_task(rpc.set_serving(hs, names, ok)))
