@@ -64,23 +64,26 @@ def _processed(logits, pen, allowed):
     return x if allowed is None else jnp.where(allowed, x, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
-def _prefill(w, cfg: ModelConfig, tokens, length, cache, seeds, steps, temp, top_k, top_p, greedy=False, pen=None,
-             allowed=None):
-    # tokens: [1, Tb] padded; length: [] valid tokens -> (first token [1], raw logits [1, V], cache)
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _prefill(w, cfg: ModelConfig, tokens, length, cache):
+    # tokens: [1, Tb] padded; length: [] valid tokens -> (raw logits of the last [1, V], cache)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     logits, cache = forward_dense(w, cfg, tokens, positions, cache, last_only=(length - 1).reshape(1))
-    last = logits[:, 0]  # [1, V]
-    return sample(_processed(last, pen, allowed), seeds, steps, temp, top_k, top_p, greedy_only=greedy), last, cache
+    return logits[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
-def _decode(w, cfg: ModelConfig, token, position, cache, seeds, steps, temp, top_k, top_p, greedy=False, pen=None,
-            allowed=None):
-    # token: [1] last sampled id; position: [] its position -> (next token [1], raw logits [1, V], cache)
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _decode(w, cfg: ModelConfig, token, position, cache):
+    # token: [1] last sampled id; position: [] its position -> (raw logits [1, V], cache)
     logits, cache = forward_dense(w, cfg, token[:, None], position.reshape(1, 1), cache)  # [1, 1, V]
-    last = logits[:, 0]
-    return sample(_processed(last, pen, allowed), seeds, steps, temp, top_k, top_p, greedy_only=greedy), last, cache
+    return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("greedy",))
+def _pick(last, seeds, steps, temp, top_k, top_p, greedy=False, pen=None, allowed=None):
+    # last: [1, V] raw logits -> the token [1]. Apart from the forwards, so that one sampler
+    # program serves every prompt and cache length
+    return sample(_processed(last, pen, allowed), seeds, steps, temp, top_k, top_p, greedy_only=greedy)
 
 
 _logprobs = jax.jit(logprobs_of)
@@ -137,9 +140,9 @@ class ReferenceEngine:
                                  "compiler")
             matcher = self.grammar.matcher(params.grammar)
         allowed = lambda: None if matcher is None else token_mask.allowed_np(matcher.mask(), cfg.vocab_size)[None]  # noqa: E731
-        tok, logits, cache = _prefill(self.weights, cfg, jnp.asarray(tokens), jnp.int32(n), cache,
-                                      *_sampling_arrays(params, 0), greedy=greedy, pen=pen.arrays() if pen else None,
-                                      allowed=allowed())
+        logits, cache = _prefill(self.weights, cfg, jnp.asarray(tokens), jnp.int32(n), cache)
+        tok = _pick(logits, *_sampling_arrays(params, 0), greedy=greedy, pen=pen.arrays() if pen else None,
+                    allowed=allowed())
         for step in range(max_tokens):
             t = int(tok[0])
             if matcher is not None:
@@ -149,9 +152,9 @@ class ReferenceEngine:
                 return
             if pen is not None:
                 pen.counts[t] += 1
-            tok, logits, cache = _decode(self.weights, cfg, tok, jnp.int32(n + step), cache,
-                                         *_sampling_arrays(params, step + 1), greedy=greedy,
-                                         pen=pen.arrays() if pen else None, allowed=allowed())
+            logits, cache = _decode(self.weights, cfg, tok, jnp.int32(n + step), cache)
+            tok = _pick(logits, *_sampling_arrays(params, step + 1), greedy=greedy, pen=pen.arrays() if pen else None,
+                        allowed=allowed())
 
     def generate(self, prompt_ids: list[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
                  stop_ids: tuple[int, ...] | None = None) -> GenerationResult:

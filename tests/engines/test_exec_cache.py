@@ -20,8 +20,9 @@ from pddjax.engines.paged_engine import PagedEngine
 from pddjax.model.sampling_params import SamplingParams
 from tests.support.samples import prompt
 
-# a small engine (4 variants in its covering set): each test compiles them afresh, outside JAX's cache
-CONFIG = EngineConfig(page_size=16, num_pages=64, max_step_tokens=32, max_rows=2)
+# a small engine (one row a step: 3 forwards in its covering set and 1 sampler): each test compiles
+# them afresh, outside JAX's cache
+CONFIG = EngineConfig(page_size=16, num_pages=64, max_step_tokens=32, max_rows=1)
 JOBS = {f"r{i}": (prompt(n, i), SamplingParams(temperature=0.9, top_p=0.95, seed=i) if i % 2 else SamplingParams())
         for i, n in enumerate([3, 17])}  # a greedy decode-only prompt and a seeded one over a chunk
 
