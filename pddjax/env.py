@@ -142,6 +142,8 @@ DECODING_WAIT_SECONDS = _knob("DECODING_WAIT_SECONDS", "seconds", 120.0,
                               "RLD's Handoff waits at most this long for decoding (its KV) to start")
 STEP_LOG = _knob("STEP_LOG", "path", None,
                  "a folder: every engine thread logs its steps and commands there as JSONL (unset: off)")
+COMPILE_LOG = _knob("COMPILE_LOG", "path", None,
+                    "a folder: with tools/compile_log on PYTHONPATH, every process logs each XLA compile there")
 
 # ---- processes, ports and security (serving) ------------------------------------------------
 TLS_DIR = _knob("TLS_DIR", "path", None,
