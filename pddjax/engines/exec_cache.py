@@ -48,6 +48,7 @@ import jax
 from pddjax import env
 
 STALE_DAYS = 7
+_NOT_IN_KEY = ("jax_platforms",)  # config values that cannot change a compiled program (`_environment`)
 
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the pddjax package
@@ -104,9 +105,12 @@ def _code_digest() -> str:
 
 @functools.cache
 def _environment() -> str:
-    """What outside the step's arguments decides its program: versions, devices, flags."""
+    """What outside the step's arguments decides its program: versions, devices, flags, JAX's
+    config values but `jax_platforms` (which backends a process starts: the backend chosen and
+    its devices are in the key already, so a service pinned to "cpu" and a process that found
+    the CPU by default share their executables)."""
     devices = jax.devices()
-    config = sorted((k, repr(v)) for k, v in jax.config.values.items())
+    config = sorted((k, repr(v)) for k, v in jax.config.values.items() if k not in _NOT_IN_KEY)
     return repr((jax.__version__, jax.lib.__version__,  # jax, jaxlib
                  jax.default_backend(), len(devices),
                  sorted({d.device_kind for d in devices}), os.environ.get("XLA_FLAGS", ""), config))

@@ -172,3 +172,21 @@ def test_a_varied_workload_runs_only_members_and_compiles_nothing_after_precompi
     kv_used = {copies.copies().pad(md.pool, n) for n in lengths}  # a gather on P, a scatter on MD each
     assert calls["stages_compiled_call"] <= len(shapes) + 2 * len(kv_used), (calls, len(shapes), kv_used)
     assert any(s[3] == 1 and s[1] > 1 for s in shapes) and any(s[3] > 1 and s[1] > 1 for s in shapes), shapes
+
+
+def test_an_engine_builds_a_forward_per_member_and_a_sampler_per_row_count(tiny, monkeypatch):
+    """The step is two programs (engines/step.py): the sampler depends on the row count alone, so
+    a set of 22 members over 4 row counts is 22 forwards and 4 samplers, and the members a
+    background build adds later are their forwards alone."""
+    from pddjax.engines import precompile, step
+
+    monkeypatch.setattr(step, "_executables", step.Executables(256))  # this engine's programs only
+    eng = PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, TINY_TOML)
+    eng.precompile("cover")
+    rows = {s[1] for s in eng.stated}
+    held = step.executables()
+    assert held.held("sample") == len(rows) == 4 and held.held("forward") == len(eng.shapes) < len(eng.stated)
+    for shape in eng.stated:  # what the background build would do: one program each
+        assert precompile.build_shape(eng, shape) == (shape not in eng.shapes), shape
+    assert held.held("sample") == 4 and held.held("forward") == len(eng.stated) == 22
+    held.check_integrity()
