@@ -108,8 +108,7 @@ def precompile(engine, ready: str = "all", clock=None) -> tuple[int, float]:
     t0 = time.perf_counter()
     execs = step.executables()
     samplers = sorted({s[1] for s in engine.stated})  # one per row count B
-    if execs.capacity < len(engine.stated) + len(samplers) + HEADROOM:
-        execs.resize(len(engine.stated) + len(samplers) + HEADROOM)
+    execs.resize(max(execs.capacity, len(engine.stated) + len(samplers) + HEADROOM))
     first = engine.stated if ready == "all" else buckets.covering_set(engine.stated)
     with startup_clock.phase(clock, "shapes_s"):
         # every B's sampler first (a member built later is then its forward alone)

@@ -120,11 +120,11 @@ def _jitted(program: str, args: tuple, layout):
     return _Bound(program, layout, args)
 
 
-@functools.lru_cache(maxsize=64)
 def _sharded(layout) -> bool:
     return layout is not None and layout.mesh is not None
 
 
+@functools.lru_cache(maxsize=64)
 def _logits_key(B: int, V: int):
     """What stands for the logits in the sampler's key: their shape and dtype, nothing else."""
     return jax.ShapeDtypeStruct((B, V), jnp.float32)
@@ -166,7 +166,7 @@ def _arguments(w, cfg, batch, pool, tables, sampling, greedy, max_q_len, impl, l
         sampling += (_no_mask(len(sampling[0]), cfg.vocab_size),)
     host = _packed(sampling, greedy)
     statics = {"cfg": cfg, "max_q_len": max_q_len, "impl": impl}
-    if layout is not None and layout.mesh is not None:
+    if _sharded(layout):
         statics.update(mesh=layout.mesh, kv_sharded=layout.kv_sharded)
         batch, host = layout.put_replicated(batch), layout.put_replicated(host)
     return (w, batch, pool), statics, (tables, *host)
@@ -188,12 +188,9 @@ def run(w, cfg, batch: PackedBatch, pool, sampling: tuple, tables: Tables | None
     penalty tables (None: no penalties, what a multi-host instance runs). `layout`: the engine's
     `EngineMesh` (None or degree 1: one device). `return_logits`: the logits in the result too."""
     fargs, statics, sargs = _arguments(w, cfg, batch, pool, tables, sampling, greedy, max_q_len, impl, layout)
-    forward, _ = _executables.build("forward", lambda: _jitted("forward", fargs, layout), fargs, statics,
-                                    sharded=_sharded(layout))
+    forward, _ = _build_forward(fargs, statics, layout, False)
     logits, pool = forward(*fargs)  # [B, V] float32
-    B = len(sampling[0])
-    sample, _ = _executables.build("sample", lambda: _jitted("sample", sargs, layout), (logits, *sargs), {},
-                                   key_args=(_logits_key(B, cfg.vocab_size), *sargs), sharded=_sharded(layout))
+    sample, _ = _build_sample(cfg, sargs, layout, False)
     tokens, lp, tables = sample(logits, *sargs)
     return StepOut(tokens, lp, logits if return_logits else None, pool, tables)
 
@@ -213,7 +210,7 @@ def serving_tables(cfg, layout=None) -> Tables | None:
     if jax.process_count() > 1:
         return None
     tables = Tables.zeros(penalty_state.ROWS, cfg.vocab_size)
-    return tables if layout is None or layout.mesh is None else layout.put_replicated(tables)
+    return layout.put_replicated(tables) if _sharded(layout) else tables
 
 
 @functools.lru_cache(maxsize=4)
@@ -242,8 +239,7 @@ def build_step(w, cfg, batch: PackedBatch, pool, sampling: tuple, *, max_q_len: 
     background build's."""
     tables = _built_tables(cfg, layout)
     fargs, statics, sargs = _arguments(w, cfg, batch, pool, tables, sampling, False, max_q_len, impl, layout)
-    forward, built = _executables.build("forward", lambda: _jitted("forward", fargs, layout), fargs, statics,
-                                        sharded=_sharded(layout), behind=behind)
+    forward, built = _build_forward(fargs, statics, layout, behind)
     sample, more = _build_sample(cfg, sargs, layout, behind)
     return StepPrograms(forward, sample, built + more)
 
@@ -251,12 +247,20 @@ def build_step(w, cfg, batch: PackedBatch, pool, sampling: tuple, *, max_q_len: 
 def build_sampler(cfg, B: int, layout=None, behind: bool = False) -> int:
     """Compile (or load) the sampler of B rows alone -> programs built now (0 or 1)."""
     host = _packed(neutral_sampling(B, cfg.vocab_size), False)
-    if layout is not None and layout.mesh is not None:
+    if _sharded(layout):
         host = layout.put_replicated(host)
     return _build_sample(cfg, (_built_tables(cfg, layout), *host), layout, behind)[1]
 
 
+def _build_forward(fargs: tuple, statics: dict, layout, behind: bool):
+    """-> (the forward's executable for these arguments, whether it was built now)."""
+    return _executables.build("forward", lambda: _jitted("forward", fargs, layout), fargs, statics,
+                              sharded=_sharded(layout), behind=behind)
+
+
 def _build_sample(cfg, sargs: tuple, layout, behind: bool):
+    """-> (the sampler's executable for these arguments after the logits, whether it was built
+    now). The logits stand in the key (and in a build's lowering) by shape and dtype alone."""
     logits = _logits_key(sargs[1].shape[1], cfg.vocab_size)  # ints: [5, B]
     return _executables.build("sample", lambda: _jitted("sample", sargs, layout), (logits, *sargs), {},
                               key_args=(logits, *sargs), sharded=_sharded(layout), behind=behind)
