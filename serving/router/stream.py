@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import asyncio
-import sys
+import collections
 import time
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,7 @@ import grpc
 
 from serving.pb import cluster_pb2, common_pb2, router_pb2
 from serving.router import token_bytes
+from serving.router.ahead import Ahead, Verdict
 from serving.router.detok import IncrementalText
 from serving.router.interval import Group
 from serving.router.request import PIPELINE_NAMES, Abort, Request
@@ -37,11 +38,8 @@ if TYPE_CHECKING:
     from serving.router.metrics import RouterMetrics
 
 
-# The stream moves to MD once MD is at most SWITCH_LAG tokens behind the user, or its lag costs
-# the user at most SWITCH_WAIT_S at RLD's pace (a fast model lags more tokens in the same time);
-# FORCE_AFTER_S after MD's first batch (MD does not gain on RLD) a wait up to FORCE_WAIT_S is taken.
-SWITCH_LAG, SWITCH_WAIT_S = 1, 0.1
-FORCE_AFTER_S, FORCE_WAIT_S = 0.5, 0.4
+# The longest the user waits on MD once RLD's batches are held back (Verdict.WAIT); then RLD goes on.
+HOLD_MAX_S = 1.0
 
 
 def expire(*queues: asyncio.Queue) -> None:
@@ -66,11 +64,10 @@ class Output:
         self.tools = ToolText(r.tools) if r.tools is not None else None  # tool calls read out of the text
         self.on_switch = on_switch
         self.group = Group(*r.stream_interval)  # messages grouped per the stream interval
-        self.ahead: list[int] | None = []  # MD's tokens while RLD is the source (None: MD disagreed or failed)
-        self.ahead_lps: list = []  # their logprobs (when the request asked)
-        self.ahead_at = 0  # output position of ahead[0]
-        self.main_finish = common_pb2.FINISH_REASON_UNSPECIFIED  # MD finished within `ahead`
-        self.ahead_t0 = 0.0  # when MD's first batch came (perf_counter)
+        self.ahead = Ahead(r.label, r.wants_logprobs)  # MD's tokens while RLD is the source
+        self.relay_held: list | None = None  # RLD's items held back while the user waits for MD (Verdict.WAIT)
+        self.hold_until = 0.0  # perf_counter after which RLD's held items go on and MD is dropped
+        self.pending: collections.deque = collections.deque()  # held items to read again, before the queue's
 
     @property
     def on_main(self) -> bool:
@@ -80,26 +77,31 @@ class Output:
     async def messages(self):
         """-> GenerateResponses until (and with) the one that has a finish_reason. While RLD is the
         source, MD's batches (it emits from the final handoff on, RLD decoding on) are held by
-        position; the stream moves to MD once MD is within SWITCH_LAG tokens of the user (its next
-        token is at most about one interval away), or its lag costs at most SWITCH_WAIT_S (more
-        once FORCE_AFTER_S passed), after checking the overlap token for token. RLD's own
-        handed_off batch (one-shot, or MD taking over a broken RLD) switches at once."""
+        position (`ahead.Ahead`); once MD agrees and is close, RLD's batches are held back until
+        MD covers every token the user has, then the stream moves to MD; if MD proves different
+        (or is later than HOLD_MAX_S), RLD's held batches go on and RLD keeps the request. RLD's
+        own handed_off batch (one-shot, or MD taking over a broken RLD) switches at once."""
         r, group = self.r, self.group
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         while not finish:
             item = await self._next()
-            if item is None:  # the held message's oldest token waited the interval's bound
-                yield group.take()
-                continue
-            items = [item]
-            while not r.out.empty() and not _terminal(items[-1][1]):
-                items.append(r.out.get_nowait())
             new, lps, switch = [], [], False
+            if item is None:  # a held message's bound, or the hold on RLD, ran out
+                if group.due is not None and group.due <= time.perf_counter():
+                    yield group.take()
+                items = []
+            else:
+                items = [item]
+                while self._ready() and not _terminal(items[-1][1]):
+                    items.append(self._get_nowait())
             for role, it in items:
                 if (role == common_pb2.ROLE_MAIN) != self.on_main:
                     if not self.on_main:
-                        self._hold_main(it)
+                        self.ahead.add(it)
                     continue  # RLD's batches after the switch: it is being released
+                if self.relay_held is not None:  # the user waits for MD: RLD's batches held back
+                    self.relay_held.append((role, it))
+                    continue
                 if isinstance(it, Abort):
                     raise it
                 if self.on_main:  # MD's stream may overlap what the user has (it started behind)
@@ -118,8 +120,7 @@ class Output:
                 finish = msg.finish_reason
                 if (msg := group.add(msg)) is not None:
                     yield msg
-            if not finish and (switch or (not self.on_main and self._main_caught_up())):
-                self._switch()
+            if not finish and self._judge(switch):
                 held = self._take_ahead()
                 if held is not None:
                     msg = self._message(list(held.token_ids), held.finish_reason, list(held.logprobs))
@@ -127,13 +128,43 @@ class Output:
                     if (msg := group.add(msg)) is not None:
                         yield msg
 
+    def _judge(self, switch: bool) -> bool:
+        """While RLD is the source: move the stream to MD (-> True), start or end holding RLD's
+        batches back, per `ahead.verdict`; `switch`: RLD handed the request off (always moves)."""
+        if self.on_main:
+            return False
+        r = self.r
+        per_token = (r.relay_t1 - r.relay_t0) / r.relay_after if r.relay_after else 0.05  # RLD's pace, s
+        verdict = Verdict.SWITCH if switch else self.ahead.verdict(r.tokens, per_token)
+        if verdict is Verdict.SWITCH:
+            self.relay_held = None  # RLD's held batches are dropped: it is released
+            self._switch()
+            return True
+        if verdict is Verdict.WAIT and self.relay_held is None:
+            self.relay_held, self.hold_until = [], time.perf_counter() + HOLD_MAX_S
+        elif self.relay_held is not None and (verdict is Verdict.NO or time.perf_counter() >= self.hold_until):
+            self.ahead.drop(f"MD did not reach the user's position {len(r.tokens)} within {HOLD_MAX_S} s")
+            self.pending.extend(self.relay_held)  # RLD's held batches go on, in order
+            self.relay_held = None
+        return False
+
+    def _ready(self) -> bool:
+        return bool(self.pending) or not self.r.out.empty()
+
+    def _get_nowait(self):
+        return self.pending.popleft() if self.pending else self.r.out.get_nowait()
+
     async def _next(self):
-        """The queue's next item; None once a held message's bound passes first."""
-        q, due = self.r.out, self.group.due
-        if due is None or not q.empty():
+        """The next item (held RLD items first, then the queue's); None once a held message's
+        bound, or the hold on RLD's batches, passes first."""
+        if self.pending:
+            return self.pending.popleft()
+        q = self.r.out
+        dues = [t for t in (self.group.due, self.hold_until if self.relay_held is not None else None) if t is not None]
+        if not dues or not q.empty():
             return await q.get()
         try:
-            async with asyncio.timeout(due - time.perf_counter()):
+            async with asyncio.timeout(min(dues) - time.perf_counter()):
                 return await q.get()
         except TimeoutError:
             return None
@@ -180,47 +211,6 @@ class Output:
             text = self._texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _hold_main(self, it) -> None:
-        """An MD batch while RLD is the source: keep its tokens by position (contiguous)."""
-        if self.ahead is None:
-            return
-        if isinstance(it, Abort):  # MD failed before the switch: RLD goes on alone
-            self.ahead = None
-            return
-        if it.token_ids:
-            if self.r.wants_logprobs and len(it.logprobs) != len(it.token_ids):
-                self.ahead = None  # MD's batch lacks logprobs: never switch on it
-                return
-            if not self.ahead:
-                self.ahead_at, self.ahead_t0 = it.start_position, time.perf_counter()
-                self.ahead_lps = []
-            elif it.start_position != self.ahead_at + len(self.ahead):
-                self.ahead = None  # a hole in MD's stream: never switch on it
-                return
-            self.ahead += it.token_ids
-            self.ahead_lps += it.logprobs
-        self.main_finish = self.main_finish or it.finish_reason
-
-    def _main_caught_up(self) -> bool:
-        """MD holds tokens up to within SWITCH_LAG of the user's next position, and the ones
-        the user has already agree with them (a heterogeneous pair may differ: then RLD stays)."""
-        r, ahead = self.r, self.ahead
-        if not ahead or self.ahead_at > len(r.tokens):
-            return False
-        seen = r.tokens[self.ahead_at:self.ahead_at + len(ahead)]
-        if ahead[:len(seen)] != seen:
-            at = next(i for i, (a, b) in enumerate(zip(ahead, seen)) if a != b)
-            print(f"router: {r.label}: MD's token {ahead[at]} at position {self.ahead_at + at} differs from RLD's "
-                  f"{seen[at]}: the stream stays on RLD", file=sys.stderr, flush=True)
-            self.ahead = None
-            return False
-        lag = len(r.tokens) - (self.ahead_at + len(ahead))  # tokens MD still has to make to reach the user
-        per_token = (r.relay_t1 - r.relay_t0) / r.relay_after if r.relay_after else 0.05  # RLD's pace, s
-        late = time.perf_counter() - self.ahead_t0 > FORCE_AFTER_S  # MD does not gain on RLD: RLD stops
-        wait = lag * per_token
-        return (lag <= SWITCH_LAG or wait <= SWITCH_WAIT_S or (late and wait <= FORCE_WAIT_S)
-                or bool(self.main_finish))
-
     def _switch(self) -> None:
         self.r.advance(State.MAIN_STREAMING)
         self.r.handoff_at = len(self.r.tokens)
@@ -231,11 +221,12 @@ class Output:
     def _take_ahead(self):
         """At the switch: MD's held tokens as one batch from the user's position (the overlap
         checked by `_from`), or None if they hold nothing for it."""
-        ahead, self.ahead = self.ahead, None
-        if not ahead:
+        ahead = self.ahead
+        tokens, ahead.tokens = ahead.tokens, None
+        if not tokens:
             return None
-        held = self._from(cluster_pb2.TokenBatch(start_position=self.ahead_at, token_ids=ahead,
-                                                 finish_reason=self.main_finish, logprobs=self.ahead_lps),
+        held = self._from(cluster_pb2.TokenBatch(start_position=ahead.at, token_ids=tokens,
+                                                 finish_reason=ahead.finish, logprobs=ahead.logprobs),
                           len(self.r.tokens))
         return held if held is not None and held.start_position == len(self.r.tokens) else None
 
