@@ -116,6 +116,10 @@ EXEC_CACHE = _knob("EXEC_CACHE", "flag", True,
                    "start, not loaded from CACHE_DIR/exec")
 FUSE_PROJECTIONS = _knob("FUSE_PROJECTIONS", "flag", True,
                          "0: engines at one device keep q / k / v and gate / up as separate matrices (A/B runs)")
+QUICK_COMPILE_MAX_PARAMS = _knob("QUICK_COMPILE_MAX_PARAMS", "int", None,
+                                 "models of at most this many parameters compile their step and reference programs "
+                                 "at XLA's backend optimization level 0 (half the compile, twice the step: test "
+                                 "models; unset: never)")
 MULTIHOST_PORT = _knob("MULTIHOST_PORT", "port", None,
                        "a multi-host leader's op channel port (unset: any free one, told to the followers)")
 HEARTBEAT_SECONDS = _knob("HEARTBEAT_SECONDS", "int", 30,

@@ -3,7 +3,8 @@
 Every engine and service the suite starts (in this process or as a child, which inherits the
 environment) serves on its covering set of step shapes and builds no more
 (PDDJAX_BACKGROUND_BUILD=0): the rest of a set costs a stack start its tracing, lowering and, on an
-empty cache, compiles, and no test needs it; tests/engines/test_background_build.py turns it back on."""
+empty cache, compiles, and no test needs it; tests/engines/test_background_build.py turns it back on.
+Test models compile quickly (PDDJAX_QUICK_COMPILE_MAX_PARAMS, below)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import pytest
 from pddjax import env
 from pddjax.model.jax_setup import configure
 
+# Test models (the tiny and HF fixture models, 0.09-0.15M parameters) compile at XLA's backend
+# optimization level 0: half the compile, and their steps stay about a millisecond; the real
+# model (135M) keeps XLA's defaults (its step would run 2.5x slower)
+QUICK_COMPILE_MAX_PARAMS = 20_000_000
+
 os.environ.setdefault(env.BACKGROUND_BUILD.name, "0")
+os.environ.setdefault(env.QUICK_COMPILE_MAX_PARAMS.name, str(QUICK_COMPILE_MAX_PARAMS))
 configure()
 
 

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pddjax.engines.engine_api import TokenLogprobs
+from pddjax.engines.executables import compiler_options
 from pddjax.model import penalties, token_mask
 from pddjax.model import weights as wmod
 from pddjax.model.config import ModelConfig
@@ -64,7 +66,6 @@ def _processed(logits, pen, allowed):
     return x if allowed is None else jnp.where(allowed, x, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def _prefill(w, cfg: ModelConfig, tokens, length, cache):
     # tokens: [1, Tb] padded; length: [] valid tokens -> (raw logits of the last [1, V], cache)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
@@ -72,14 +73,12 @@ def _prefill(w, cfg: ModelConfig, tokens, length, cache):
     return logits[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def _decode(w, cfg: ModelConfig, token, position, cache):
     # token: [1] last sampled id; position: [] its position -> (raw logits [1, V], cache)
     logits, cache = forward_dense(w, cfg, token[:, None], position.reshape(1, 1), cache)  # [1, 1, V]
     return logits[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("greedy",))
 def _pick(last, seeds, steps, temp, top_k, top_p, greedy=False, pen=None, allowed=None):
     # last: [1, V] raw logits -> the token [1]. Apart from the forwards, so that one sampler
     # program serves every prompt and cache length
@@ -87,6 +86,21 @@ def _pick(last, seeds, steps, temp, top_k, top_p, greedy=False, pen=None, allowe
 
 
 _logprobs = jax.jit(logprobs_of)
+
+
+class _Programs(NamedTuple):
+    prefill: Callable
+    decode: Callable
+    pick: Callable
+
+
+@functools.lru_cache(maxsize=2)
+def _programs(options: tuple) -> _Programs:
+    """The reference's jitted programs, compiled with XLA `options` ((name, value) pairs)."""
+    opts = dict(options) or None
+    return _Programs(jax.jit(_prefill, static_argnames=("cfg",), donate_argnames=("cache",), compiler_options=opts),
+                     jax.jit(_decode, static_argnames=("cfg",), donate_argnames=("cache",), compiler_options=opts),
+                     jax.jit(_pick, static_argnames=("greedy",), compiler_options=opts))
 
 
 class _HostPenalties:
@@ -114,6 +128,7 @@ class ReferenceEngine:
         self.grammar = grammar  # a pddjax.grammar.compiler.GrammarCompiler (None: constrained requests refused)
         self.dtype = jnp.dtype(dtype)
         self.weights = wmod.cast(wmod.for_engine(weights, True), self.dtype)
+        self.programs = _programs(tuple(sorted((compiler_options(cfg) or {}).items())))
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                stop_ids: tuple[int, ...] | None = None, return_logits: bool = False, matcher=None) -> Iterator:
@@ -140,9 +155,10 @@ class ReferenceEngine:
                                  "compiler")
             matcher = self.grammar.matcher(params.grammar)
         allowed = lambda: None if matcher is None else token_mask.allowed_np(matcher.mask(), cfg.vocab_size)[None]  # noqa: E731
-        logits, cache = _prefill(self.weights, cfg, jnp.asarray(tokens), jnp.int32(n), cache)
-        tok = _pick(logits, *_sampling_arrays(params, 0), greedy=greedy, pen=pen.arrays() if pen else None,
-                    allowed=allowed())
+        run = self.programs
+        logits, cache = run.prefill(self.weights, cfg, jnp.asarray(tokens), jnp.int32(n), cache)
+        tok = run.pick(logits, *_sampling_arrays(params, 0), greedy=greedy, pen=pen.arrays() if pen else None,
+                       allowed=allowed())
         for step in range(max_tokens):
             t = int(tok[0])
             if matcher is not None:
@@ -152,9 +168,9 @@ class ReferenceEngine:
                 return
             if pen is not None:
                 pen.counts[t] += 1
-            logits, cache = _decode(self.weights, cfg, tok, jnp.int32(n + step), cache)
-            tok = _pick(logits, *_sampling_arrays(params, step + 1), greedy=greedy, pen=pen.arrays() if pen else None,
-                        allowed=allowed())
+            logits, cache = run.decode(self.weights, cfg, tok, jnp.int32(n + step), cache)
+            tok = run.pick(logits, *_sampling_arrays(params, step + 1), greedy=greedy,
+                           pen=pen.arrays() if pen else None, allowed=allowed())
 
     def generate(self, prompt_ids: list[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
                  stop_ids: tuple[int, ...] | None = None) -> GenerationResult:

@@ -42,7 +42,7 @@ import numpy as np
 
 from pddjax import env
 from pddjax.engines import penalty_state
-from pddjax.engines.executables import Executables, release_jax_caches
+from pddjax.engines.executables import Executables, compiler_options, release_jax_caches
 from pddjax.kv.pool import KVPool
 from pddjax.model import token_mask
 from pddjax.model.paged import PackedBatch, forward_paged
@@ -255,7 +255,7 @@ def build_sampler(cfg, B: int, layout=None, behind: bool = False) -> int:
 def _build_forward(fargs: tuple, statics: dict, layout, behind: bool):
     """-> (the forward's executable for these arguments, whether it was built now)."""
     return _executables.build("forward", lambda: _jitted("forward", fargs, layout), fargs, statics,
-                              sharded=_sharded(layout), behind=behind)
+                              sharded=_sharded(layout), behind=behind, options=compiler_options(statics["cfg"]))
 
 
 def _build_sample(cfg, sargs: tuple, layout, behind: bool):
@@ -263,7 +263,8 @@ def _build_sample(cfg, sargs: tuple, layout, behind: bool):
     now). The logits stand in the key (and in a build's lowering) by shape and dtype alone."""
     logits = _logits_key(sargs[1].shape[1], cfg.vocab_size)  # ints: [5, B]
     return _executables.build("sample", lambda: _jitted("sample", sargs, layout), (logits, *sargs), {},
-                              key_args=(logits, *sargs), sharded=_sharded(layout), behind=behind)
+                              key_args=(logits, *sargs), sharded=_sharded(layout), behind=behind,
+                              options=compiler_options(cfg))
 
 
 def release_tracing_caches() -> None:

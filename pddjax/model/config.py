@@ -56,6 +56,15 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:  # for float32 K and V over all layers
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
+    @property
+    def num_params(self) -> int:  # weights of the model: embedding (and LM head), attention, MLP, norms
+        E, D = self.hidden, self.head_dim
+        attention = E * D * (2 * self.num_heads + 2 * self.num_kv_heads)  # q, o; k, v
+        bias = D * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
+        norms = 2 * E + (2 * D if self.qk_norm else 0)
+        layer = attention + bias + 3 * E * self.ffn_hidden + norms
+        return self.vocab_size * E * (1 if self.tie_embeddings else 2) + self.num_layers * layer + E
+
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 

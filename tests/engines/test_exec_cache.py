@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pddjax import env
-from pddjax.engines import exec_cache, step
+from pddjax.engines import exec_cache, executables, step
 from pddjax.engines.engine_config import EngineConfig
 from pddjax.engines.paged_engine import PagedEngine
 from pddjax.model.sampling_params import SamplingParams
@@ -79,6 +79,24 @@ def test_off_neither_reads_nor_writes(tiny, ref, exec_dir, monkeypatch):
     monkeypatch.setenv(env.EXEC_CACHE.name, "0")
     tokens(tiny, ref)
     assert entries(exec_dir) == []
+
+
+def test_quick_compiled_programs_are_their_own_entries_and_give_the_reference_tokens(tiny, ref, exec_dir, monkeypatch):
+    """PDDJAX_QUICK_COMPILE_MAX_PARAMS: a model at the limit compiles at XLA's optimization level
+    0, one parameter over it at XLA's defaults; the two are different executables on disk (the
+    options are in the key), and both give the reference's tokens."""
+    n = tiny.config.num_params
+    monkeypatch.setenv(env.QUICK_COMPILE_MAX_PARAMS.name, str(n))
+    assert executables.compiler_options(tiny.config) == executables.QUICK
+    quick = tokens(tiny, ref)
+    stored = entries(exec_dir)
+    monkeypatch.setenv(env.QUICK_COMPILE_MAX_PARAMS.name, str(n - 1))
+    assert executables.compiler_options(tiny.config) is None
+    monkeypatch.setattr(step, "_executables", step.Executables(64))  # the next start
+    assert tokens(tiny, ref) == quick
+    assert len(entries(exec_dir)) == 2 * len(stored) and set(stored) < set(entries(exec_dir))
+    monkeypatch.delenv(env.QUICK_COMPILE_MAX_PARAMS.name)
+    assert executables.compiler_options(tiny.config) is None  # unset: never
 
 
 def test_the_key_separates_shapes_statics_and_environments():

@@ -133,3 +133,12 @@ def test_new_weights_declare_logical_axes(loaded):
         assert specs.layers.bq == PartitionSpec(None, "model", None) == specs.layers.bk
     if m.config.qk_norm:
         assert specs.layers.q_norm == PartitionSpec(None, None)
+
+
+def test_num_params_counts_every_weight(loaded, tiny):
+    """`ModelConfig.num_params` (what PDDJAX_QUICK_COMPILE_MAX_PARAMS compares) equals the weights'
+    element count, whatever the variant: tied or not, q/k/v biases, q/k norms."""
+    import jax
+
+    for m in (loaded[1], tiny):
+        assert m.config.num_params == sum(x.size for x in jax.tree_util.tree_leaves(m.weights)), m.config.name
