@@ -43,6 +43,7 @@ _TABLE = {
     "Decode":        (_NONE,  _R,                   _R),
     "DecodeStream":  (_NONE,  _R,                   _R),
     "Handoff":       (_NONE,  _R,                   _NONE),
+    "Hold":          (_NONE,  _R,                   _NONE),
     "HandoffTokens": (_NONE,  _NONE,                frozenset({RELAY, ROUTER})),
     "Probe":         (_NONE,  _NONE,                _R),
 }

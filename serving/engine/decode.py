@@ -16,6 +16,7 @@ A request's life here:
                Applied once per (request, chunk_seq | final): RLD retries a try whose
                connection broke or whose answer was lost, and MD answers a repeat like the first.
                The Handoff (handoff.py).
+  Hold         (RLD) pause / resume a decoding request while the router waits for MD (hold.py).
   Release      idempotent; `cache` inserts the computed context into the prefix cache (DRC).
                A cancel leaves a tombstone: a Reserve arriving late for that id is ABORTED.
   Info, MatchPrefix  as on every engine service (info.py).
@@ -46,7 +47,7 @@ from pddjax import env
 from pddjax.kv.allocator import OutOfPages
 from pddjax.kv.page_table import pages_needed
 from serving import rpc
-from serving.engine import decode_stream
+from serving.engine import decode_stream, hold
 from serving.engine.grammars import compile_or_refuse
 from serving.engine.handoff import Handoff
 from serving.engine.info import match_prefix, service_info
@@ -240,6 +241,9 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     async def HandoffTokens(self, request, context):
         return await self.handoff.handoff_tokens(request, context)
+
+    async def Hold(self, request, context):
+        return await hold.serve(self.worker, self.slots, request)
 
     async def Release(self, request, context):
         if request.cancel and request.request_id:

@@ -275,6 +275,11 @@ class DecodeStub:
                 request_serializer=pddjax_dot_v1_dot_cluster__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=pddjax_dot_v1_dot_cluster__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Hold = channel.unary_unary(
+                '/pddjax.v1.Decode/Hold',
+                request_serializer=pddjax_dot_v1_dot_cluster__pb2.HoldRequest.SerializeToString,
+                response_deserializer=pddjax_dot_v1_dot_cluster__pb2.HoldResponse.FromString,
+                _registered_method=True)
         self.Probe = channel.unary_unary(
                 '/pddjax.v1.Decode/Probe',
                 request_serializer=pddjax_dot_v1_dot_cluster__pb2.ProbeRequest.SerializeToString,
@@ -340,6 +345,14 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hold(self, request, context):
+        """on RLD: the router pauses a request's decoding while it waits for MD to reach the user
+        (serving/router/ahead.py), and resumes it if MD differs or is late
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Probe(self, request, context):
         """the router's link probe (serving/engine/probe.py)
         """
@@ -397,6 +410,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=pddjax_dot_v1_dot_cluster__pb2.ReleaseRequest.FromString,
                     response_serializer=pddjax_dot_v1_dot_cluster__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Hold': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=pddjax_dot_v1_dot_cluster__pb2.HoldRequest.FromString,
+                    response_serializer=pddjax_dot_v1_dot_cluster__pb2.HoldResponse.SerializeToString,
             ),
             'Probe': grpc.unary_unary_rpc_method_handler(
                     servicer.Probe,
@@ -625,6 +643,33 @@ class Decode:
             '/pddjax.v1.Decode/Release',
             pddjax_dot_v1_dot_cluster__pb2.ReleaseRequest.SerializeToString,
             pddjax_dot_v1_dot_cluster__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pddjax.v1.Decode/Hold',
+            pddjax_dot_v1_dot_cluster__pb2.HoldRequest.SerializeToString,
+            pddjax_dot_v1_dot_cluster__pb2.HoldResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,6 +58,8 @@ from serving.router.request_state import State
 from serving.router.stream import Output, expire
 from serving.router.transfer import Transfers
 
+HOLD_RPC_S = 5.0  # each try of RLD's Hold
+
 
 class RouterRefusal(grpc.aio.AioRpcError):
     """The router's refusal of a request (its status and one sentence), as a gRPC client gets it."""
@@ -186,7 +188,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if r.deadline.remaining() is not None:  # the stream stops at the deadline even if no tier reports it
                 expiry = asyncio.get_running_loop().call_later(r.deadline.remaining(), expire, r.relay_out, r.main_out)
             await self.transfers.open(r)
-            async for msg in Output(r, self.tok, req.stop_strings, self.m, lambda: self._relay_done(r)).messages():
+            out = Output(r, self.tok, req.stop_strings, self.m, lambda: self._relay_done(r),
+                         lambda hold: _hold_relay(r, hold))
+            async for msg in out.messages():
                 if msg.finish_reason:
                     self._settle(r)
                 yield msg
@@ -233,6 +237,21 @@ class RouterService(router_pb2_grpc.RouterServicer):
         task = asyncio.create_task(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
+
+
+async def _hold_relay(r: Request, hold: bool) -> None:
+    """RLD pauses (`hold`) or resumes the request while the user waits for MD (serving/engine/hold.py).
+    A pause that fails leaves RLD decoding (it only saves RLD's work); a resume is retried while
+    RLD is unreachable, since a request left paused would stall (a lost RLD ends its stream anyway)."""
+    req = cluster_pb2.HoldRequest(request_id=r.rid, hold=hold)
+    for wait in (0.1, 0.3, 1.0, None) if not hold else (None,):
+        try:
+            await pools.stub(r.relay).Hold(req, timeout=HOLD_RPC_S)
+            return
+        except grpc.aio.AioRpcError as e:
+            if wait is None or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return
+        await asyncio.sleep(wait)
 
 
 async def _release_relay(r: Request) -> None:

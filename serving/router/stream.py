@@ -55,9 +55,11 @@ def _terminal(item) -> bool:
 class Output:
     """One request's outgoing stream, from a request already streaming (RELAY_STREAMING or
     MAIN_STREAMING). `tokenizer` None: no text; `stop_strings` end it early; `on_switch()` runs
-    once when the stream moves from RLD to MD (the caller releases RLD)."""
+    once when the stream moves from RLD to MD (the caller releases RLD); `await on_hold(hold)`
+    pauses RLD's decoding of the request while RLD's batches are held back, and resumes it if
+    RLD keeps the request (the caller's Hold RPC, errors its own)."""
 
-    def __init__(self, r: Request, tokenizer, stop_strings, metrics: RouterMetrics, on_switch=None):
+    def __init__(self, r: Request, tokenizer, stop_strings, metrics: RouterMetrics, on_switch=None, on_hold=None):
         self.r, self.timer = r, metrics.timer(r.t0)
         self.text = IncrementalText(tokenizer, stop_strings)  # O(batch) per batch
         self.tokenizer, self._texts = tokenizer, {}  # token id -> its text alone (logprobs' token strings)
@@ -68,6 +70,8 @@ class Output:
         self.relay_held: list | None = None  # RLD's items held back while the user waits for MD (Verdict.WAIT)
         self.hold_until = 0.0  # perf_counter after which RLD's held items go on and MD is dropped
         self.pending: collections.deque = collections.deque()  # held items to read again, before the queue's
+        self.on_hold = on_hold  # async (hold: bool) -> None: RLD pauses / resumes the request (its Hold RPC)
+        self._hold_sent: asyncio.Task | None = None  # the last Hold sent (each waits for the one before)
 
     @property
     def on_main(self) -> bool:
@@ -142,11 +146,26 @@ class Output:
             return True
         if verdict is Verdict.WAIT and self.relay_held is None:
             self.relay_held, self.hold_until = [], time.perf_counter() + HOLD_MAX_S
+            self._hold_relay(True)
         elif self.relay_held is not None and (verdict is Verdict.NO or time.perf_counter() >= self.hold_until):
             self.ahead.drop(f"MD did not reach the user's position {len(r.tokens)} within {HOLD_MAX_S} s")
             self.pending.extend(self.relay_held)  # RLD's held batches go on, in order
             self.relay_held = None
+            self._hold_relay(False)
         return False
+
+    def _hold_relay(self, hold: bool) -> None:
+        """RLD pauses (`hold`) or resumes the request, in the background, in the order asked."""
+        if self.on_hold is None:
+            return
+        before, on_hold = self._hold_sent, self.on_hold
+
+        async def send() -> None:
+            if before is not None:
+                await asyncio.gather(before, return_exceptions=True)
+            await on_hold(hold)
+
+        self._hold_sent = asyncio.create_task(send())
 
     def _ready(self) -> bool:
         return bool(self.pending) or not self.r.out.empty()

@@ -77,6 +77,8 @@ def test_the_table_names_every_rpc_of_every_engine_service():
     assert authz.callers("main", "/pddjax.v1.Decode/PushKV") == {"prefill"}
     assert authz.callers("main", "/pddjax.v1.Decode/HandoffTokens") == {"relay", "router"}
     assert authz.callers("relay", "/pddjax.v1.Decode/HandoffTokens") == set()
+    assert authz.callers("relay", "/pddjax.v1.Decode/Hold") == {"router"}  # the router pauses RLD, no one else
+    assert authz.callers("main", "/pddjax.v1.Decode/Hold") == set()
     assert authz.callers("prefill", "/grpc.health.v1.Health/Check") == set(security.ROLES)
 
 

@@ -281,7 +281,7 @@ def test_output_stays_on_relay_when_main_disagrees():
     assert r.tokens == [1, 2, 3, 4] and set(r.sources) == {common_pb2.ROLE_RELAY} and r.handoff_at is None
 
 
-async def fed(r: Request, *waves, on_switch=None) -> list:
+async def fed(r: Request, *waves, on_switch=None, on_hold=None) -> list:
     """Output's messages while `waves` of (role, batch) reach the request's queue one after the
     other (each after the stream judged the last); a hang fails within 10 s."""
     async def feed():
@@ -291,22 +291,30 @@ async def fed(r: Request, *waves, on_switch=None) -> list:
             await asyncio.sleep(0.05)
 
     async def read():
-        return [m async for m in Output(r, None, [], RouterMetrics(), on_switch).messages()]
+        return [m async for m in Output(r, None, [], RouterMetrics(), on_switch, on_hold).messages()]
 
     msgs, _ = await asyncio.wait_for(asyncio.gather(read(), feed()), 10)
     return msgs
 
 
+def recorder(calls: list):
+    async def on_hold(hold: bool) -> None:
+        await asyncio.sleep(0.08 if hold else 0)  # the pause answered after the resume is asked (0.05 s later)
+        calls.append(hold)
+    return on_hold
+
+
 def test_output_waits_for_a_main_one_token_behind_then_switches():
-    """MD one token behind the user: RLD's next batch is held back (not sent) until MD covers the
-    user's position and agrees, then the stream moves to MD; RLD's held batch is dropped."""
-    switched = []
+    """MD one token behind the user: RLD's next batch is held back (not sent) and RLD asked to
+    pause the request until MD covers the user's position and agrees, then the stream moves to
+    MD (RLD released, never resumed); RLD's held batch is dropped."""
+    switched, holds = [], []
     r = streaming_request()
     asyncio.run(fed(r, [("relay", batch(0, [1, 2, 3])), ("main", batch(1, [2]))],
                     [("relay", batch(3, [4])), ("main", batch(2, [3, 4]))],
                     [("relay", batch(4, [5])), ("main", batch(4, [5], finish_reason=common_pb2.FINISH_REASON_LENGTH))],
-                    on_switch=lambda: switched.append(1)))
-    assert r.tokens == [1, 2, 3, 4, 5] and switched == [1] and r.handoff_at == 3
+                    on_switch=lambda: switched.append(1), on_hold=recorder(holds)))
+    assert r.tokens == [1, 2, 3, 4, 5] and switched == [1] and r.handoff_at == 3 and holds == [True]
     assert r.sources == [common_pb2.ROLE_RELAY] * 3 + [common_pb2.ROLE_MAIN] * 2
 
 
@@ -314,10 +322,12 @@ def test_output_stays_on_relay_when_a_main_behind_the_user_differs_at_the_next_t
     """A heterogeneous pair (bf16 RLD, float32 MD) split at a near-tie after MD's last held token:
     MD was close enough to wait for, then made another token than the one the user already has.
     The request finishes on RLD, exactly its tokens: MD never becomes the source."""
-    r = streaming_request()
+    r, holds = streaming_request(), []
     msgs = asyncio.run(fed(r, [("relay", batch(0, [1, 2, 3])), ("main", batch(1, [2]))],
                            [("relay", batch(3, [4])), ("main", batch(2, [9, 8]))],
-                           [("relay", batch(4, [5], finish_reason=common_pb2.FINISH_REASON_LENGTH))]))
+                           [("relay", batch(4, [5], finish_reason=common_pb2.FINISH_REASON_LENGTH))],
+                           on_hold=recorder(holds)))
+    assert holds == [True, False]  # RLD paused, then resumed: in the order asked
     assert r.tokens == [1, 2, 3, 4, 5] and set(r.sources) == {common_pb2.ROLE_RELAY} and r.handoff_at is None
     assert [t for m in msgs for t in m.token_ids] == [1, 2, 3, 4, 5]
     assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
