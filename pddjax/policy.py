@@ -165,8 +165,11 @@ class LinkEstimator:
         """A transfer finished. `total_seconds` (its whole time, P's waits on its own prefill
         included) > 2x `seconds`: the push mostly waited for P, and the bytes already sent kept
         crossing the line meanwhile, so `seconds` under-counts the line's time and the rate it
-        implies is an over-read: such a transfer only raises the estimate to its lower bound
-        (bytes / total), it never lowers it nor sets it from the over-read."""
+        implies is an over-read: such a transfer only moves the estimate into [its lower bound
+        (bytes / total), the over-read (bytes / seconds)]: raised to the first, or lowered to the
+        second (no push of these bytes went faster: an estimate above it, a prior never probed
+        say, would send requests pd-cross to wait for a line they overrate), never set from the
+        over-read otherwise."""
         self.queued = max(0, self.queued - planned)
         if not ok or seconds <= 0:
             return
@@ -175,8 +178,10 @@ class LinkEstimator:
             return
         if total_seconds is not None and total_seconds > 2 * seconds:
             floor = nbytes / max(total_seconds - self.latency.value, 0.1 * total_seconds)
-            if floor > self.throughput.value:
-                self.throughput.value = self._capped(floor)
+            ceiling = nbytes / max(seconds - self.latency.value, 0.1 * seconds)
+            value = self._capped(min(max(self.throughput.value, floor), ceiling))
+            if value != self.throughput.value:
+                self.throughput.value = value
                 self.source, self.at = "transfers", time.monotonic()
             return
         self.throughput.add(nbytes / max(seconds - self.latency.value, 0.1 * seconds))

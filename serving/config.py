@@ -2,6 +2,9 @@
 service reads the top-level defaults, `[engine]`, and its own role's table on top.
 
     model = "tiny"            # tiny | smollm2-135m | PATH.gguf
+    max_context = 2048        # optional: tokens (prompt + output) a request may hold, below the
+                              # model's own context (SmolLM2-135M: 8192); every role serves the
+                              # same cap: narrower page tables, fewer step shapes to build
     platform = "cpu"          # JAX backend: cpu | gpu | tpu
     host = "127.0.0.1"
     insecure = false          # plaintext on a non-loopback host only with this (or --insecure)
@@ -156,6 +159,7 @@ class ServiceConfig:
     kv_peers_file: str | None = None  # prefill: a JSON list of more, re-read when it changes
     handoff_peers: list[str] = dataclasses.field(default_factory=list)  # relay: MD addresses it may hand off to
     # a multi-host instance (pddjax/engines/multihost.py): process 0 serves, the others follow its steps
+    max_context: int | None = None  # the stack's cap on a request's tokens (None: the model's context)
     coordinator_address: str | None = None  # HOST:PORT of process 0's jax.distributed coordinator
     num_processes: int = 1
     process_id: int = 0
@@ -189,6 +193,7 @@ def service_config(stack: dict, role: str, port: int | None = None) -> ServiceCo
         cfg.port = port
     for key in ("insecure", "reflection"):  # top level, or the role's table
         setattr(cfg, key, bool(section.pop(key, stack.get(key, False))))
+    cfg.max_context = _max_context(stack)
     rpcs = section.pop("max_concurrent_rpcs", stack.get("max_concurrent_rpcs", cfg.max_concurrent_rpcs))
     if isinstance(rpcs, bool) or not isinstance(rpcs, int) or rpcs < 1:
         raise UserError(f"[{role}] max_concurrent_rpcs must be an integer >= 1, got {rpcs!r}")
@@ -234,6 +239,25 @@ def service_config(stack: dict, role: str, port: int | None = None) -> ServiceCo
         raise UserError(f"[{role}] {problem}")
     cfg.engine = engine
     return cfg
+
+
+def _max_context(stack: dict) -> int | None:
+    """The top-level `max_context` (one value for every role: the router and each tier must agree
+    on what fits), or None."""
+    value = stack.get("max_context")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 16:
+        raise UserError(f"max_context must be an integer of at least 16 tokens (prompt + output per request), "
+                        f"got {value!r}")
+    return value
+
+
+def capped_context(model_config, max_context: int | None):
+    """`model_config` serving at most `max_context` tokens per request (never more than its own)."""
+    if max_context is None or max_context >= model_config.max_context:
+        return model_config
+    return model_config.replace(max_context=max_context)
 
 
 def _addresses(value) -> list[str]:

@@ -23,6 +23,10 @@ import threading
 import time
 
 WAN = ["--wan-mbps", "100", "--wan-latency-ms", "20"]
+# The longest turn holds ~1,600 tokens: the stack serves at most 2,048 a request (the model's own
+# context is 8,192), so every engine's page tables stop at 128 pages: its first steps, padded to
+# the widest table until their own shapes are built, cost a quarter, and fewer shapes are built
+CONTEXT = ["--max-context", "2048"]
 DOC_ENTRIES = 22  # ~1,300 prompt tokens: the transfer (~5 s at 100 Mb/s) outlasts RLD's first tokens
 DOC_QUESTION = "Summarize the logbook above: for each entry, name the keeper, the lighthouse and what they did."
 DOC_MAX_TOKENS = 160  # RLD decodes ~10-20 tok/s here: the handoff comes well before the answer ends
@@ -64,7 +68,7 @@ def start_stack(state: str) -> subprocess.Popen:
     from pddjax.env import READY_SECONDS
 
     wait_s = READY_SECONDS.get() + 120  # pddjax up waits READY_SECONDS for its services
-    proc = subprocess.Popen([sys.executable, "-m", "serving", "up", "--port", "0", "--state", state, *WAN],
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "up", "--port", "0", "--state", state, *WAN, *CONTEXT],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
 
@@ -182,7 +186,7 @@ def main() -> int:
     cfg, tok = model_facts("smollm2-135m")  # tokenizer only: shows which text each tier made
 
     state = os.path.join(tempfile.mkdtemp(prefix="pddjax-demo-"), "state.json")
-    print("starting the stack: pddjax up " + " ".join(WAN) + " (P, RLD, MD, router; real model) ...\n"
+    print("starting the stack: pddjax up " + " ".join(WAN + CONTEXT) + " (P, RLD, MD, router; real model) ...\n"
           "  each engine compiles a few step shapes before it serves and the rest in the background:\n"
           "  seconds with a warm compile cache, about a minute the first time on a fresh machine", flush=True)
     t0 = time.perf_counter()

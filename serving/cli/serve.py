@@ -30,6 +30,9 @@ def register(sub) -> None:
     u.add_argument("--state", help="write a JSON state file (services, pids, addresses)")
     u.add_argument("--model", help="override the config's model")
     u.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override every engine's dtype")
+    u.add_argument("--max-context", type=int, metavar="TOKENS",
+                   help="serve at most this many tokens (prompt + output) per request, below the model's context "
+                        "(the config's max_context): narrower page tables, fewer step shapes to build")
     u.add_argument("--speculative", choices=["off", "ngram"],
                    help="speculative decoding on RLD and MD ([engine] speculative): ngram drafts by prompt lookup")
     u.add_argument("--spec-max-tokens", type=int, metavar="K",
@@ -262,6 +265,8 @@ def load_stack(args) -> dict:
         stack["model"] = args.model
         for r in (*ENGINE_ROLES, "router"):
             stack.get(r, {}).pop("model", None)
+    if getattr(args, "max_context", None) is not None:
+        stack["max_context"] = args.max_context  # (checked with every role's config below)
     if args.dtype:
         stack["engine"] = {**stack.get("engine", {}), "dtype": args.dtype}
         for r in ENGINE_ROLES:

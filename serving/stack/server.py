@@ -32,7 +32,7 @@ import grpc
 
 from pddjax.errors import UserError
 from serving import authz, rpc, security
-from serving.config import ServiceConfig
+from serving.config import ServiceConfig, capped_context
 from serving.gate import Gate, register
 from serving.metrics import ServiceMetrics
 from serving.pb import cluster_pb2, router_pb2
@@ -71,7 +71,7 @@ def build_servicer(cfg: ServiceConfig, clock=None):
             mcfg, tok = model_facts(cfg.model)
         except (ModelNotFound, GGUFError, CheckpointError) as e:  # missing or unreadable: one sentence
             raise UserError(f"the router cannot read model {cfg.model}: {e}") from None
-        return RouterService(cfg.router, mcfg, tok)
+        return RouterService(cfg.router, capped_context(mcfg, cfg.max_context), tok)
     import jax
 
     model, ecfg, engine, _ = build_engine(cfg, clock)
@@ -111,6 +111,7 @@ def build_engine(cfg: ServiceConfig, clock=None):
 
     with phase(clock, "weights_s"):
         model = load_model_or_refuse(cfg.model)
+    model = dataclasses.replace(model, config=capped_context(model.config, cfg.max_context))
     ecfg = EngineConfig(**cfg.engine)
     if isinstance(channel, multihost.Leader):  # its engine tells the followers of each device call
         engine = multihost.LeaderEngine(model.config, model.weights, model.fingerprint, ecfg, leader=channel)

@@ -180,3 +180,16 @@ def test_a_transfer_that_mostly_waited_on_prefill_does_not_over_read_the_link():
     assert 8 * link.throughput.value / 1e6 == pytest.approx(8 * 10 * mb / 2.48 / 1e6)
     link.done(0, 10 * mb, seconds=4.0, total_seconds=4.5)  # link-bound: averaged in as before
     assert link.throughput.samples == 2 and link.source == "transfers"
+
+
+def test_a_prefill_bound_transfer_lowers_an_estimate_above_its_wire_rate():
+    """No probe landed (MD busy at the router's start): the estimate is the 1000 Mb/s prior. A
+    prefill-bound push of 59 MB that spent 5 s on the wire (15 s in all) shows the line is no
+    faster than ~95 Mb/s: the estimate comes down to that, not left at the prior for good."""
+    link = LinkEstimator(prior_mbps=1000.0, prior_latency_s=0.02)
+    link.done(0, 59_000_000, seconds=5.0, total_seconds=15.0)
+    assert 8 * link.throughput.value / 1e6 == pytest.approx(8 * 59e6 / 4.98 / 1e6)
+    assert link.source == "transfers"
+    before = link.throughput.value
+    link.done(0, 10_000_000, seconds=0.5, total_seconds=5.0)  # its over-read (160 Mb/s) is above: no change
+    assert link.throughput.value == before
