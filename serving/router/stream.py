@@ -178,12 +178,13 @@ class Output:
         bound, or the hold on RLD's batches, passes first."""
         if self.pending:
             return self.pending.popleft()
-        q = self.r.out
-        dues = [t for t in (self.group.due, self.hold_until if self.relay_held is not None else None) if t is not None]
-        if not dues or not q.empty():
+        q, due = self.r.out, self.group.due
+        if self.relay_held is not None:
+            due = self.hold_until if due is None else min(due, self.hold_until)
+        if due is None or not q.empty():
             return await q.get()
         try:
-            async with asyncio.timeout(min(dues) - time.perf_counter()):
+            async with asyncio.timeout(due - time.perf_counter()):
                 return await q.get()
         except TimeoutError:
             return None
