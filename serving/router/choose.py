@@ -53,6 +53,7 @@ class Chooser:
         self.sessions = SessionTracker()
         self.window = FilterWindow(s.filter_window)  # the last decisions: filtered (pd-local) or not
         self.probe_wait_s = s.wan_probe_wait_ms / 1e3  # a request waits this long at most for its MD's first probe
+        self.probe_on = s.wan_probe
 
     async def pick(self, role: str, session: str, fn=None, sticky=False, first=None, attempted=None):
         """-> (instance, fn(instance)): `first` if given, else the pool's pick (affinity, least
@@ -127,6 +128,8 @@ class Chooser:
             r.explain = "pd-local (no-main): no healthy MD instance"
         elif asked == common_pb2.PIPELINE_AUTO:
             remaining = r.deadline.remaining()
+            if self.probe_on and self.estimates.probe_unmeasured(r.main_choice):
+                self.counters["link_probes"] += 1
             await self.estimates.settled(r.main_choice, self.probe_wait_s if remaining is None
                                          else min(self.probe_wait_s, remaining / 2))
             link = self.estimates.link(r.main_choice)

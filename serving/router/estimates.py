@@ -14,8 +14,9 @@
     zstd's ratio depends on the KV), so transfer estimates, `explain` and the link's bookings
     count the bytes that cross.
 
-The probe (`probe`, in the background at the router's start and when an MD rejoins the
-rotation) measures the link over the path P's KV takes (MD's `main_wan` address, else `main`)
+The probe (`probe`, in the background at the router's start, when an MD rejoins the rotation,
+and when an auto request is planned on a link nothing has measured yet: `probe_unmeasured`)
+measures the link over the path P's KV takes (MD's `main_wan` address, else `main`)
 with MD's `Probe` RPC: one empty call to open the connection, PROBE_RTTS empty calls (the
 median is the round trip), then up to PROBE_ROUNDS payload rounds: the first of
 policy.PROBE_FIRST_BYTES (32 KiB), each next one sized to take ~0.25 s at the rate measured so
@@ -123,6 +124,12 @@ class Estimates:
             self.probes[main.address] = asyncio.get_running_loop().create_task(self.probe(main))
             return True
         return False
+
+    def probe_unmeasured(self, main: Instance) -> bool:
+        """A request is being planned on `main`'s link while nothing has measured it (its probe
+        failed, e.g. while MD was still compiling, and no transfer has finished): probe it again
+        in the background (-> True), at most every PROBE_MIN_INTERVAL_S (`start_probe`)."""
+        return self.link(main).source == "prior" and self.start_probe(main)
 
     async def settled(self, main: Instance, timeout_s: float) -> None:
         """Waits, at most `timeout_s`, for the first probe of `main` while it runs (later ones,

@@ -187,3 +187,35 @@ def test_a_request_waits_for_the_first_probe_boundedly_and_never_cancels_it():
 
     waited, after, again, source = asyncio.run(main())
     assert 0.45 <= waited < 1.0 and after < 0.05 and not again and source == "probe", (waited, after, again)
+
+
+def test_a_link_whose_probe_failed_is_probed_again_when_a_request_is_planned(monkeypatch):
+    """The first probe fails (MD's port up but not serving yet, as while it compiles): the
+    estimate stays the prior. Planning a request on it probes again (at most every
+    PROBE_MIN_INTERVAL_S), and once MD serves the link is measured; a measured link is not probed
+    again for planning."""
+    monkeypatch.setattr(estimates, "PROBE_MIN_INTERVAL_S", 0.0)
+
+    async def main():
+        server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
+        g = gate.Gate()  # UNAVAILABLE to every call until ready
+        gate.register(server, cluster_pb2.DESCRIPTOR.services_by_name["Decode"], g)
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        inst = pools.Instance("main", address, address)
+        try:
+            e = estimates.Estimates(RouterSettings())
+            failed = await e.probe(inst)
+            before = e.link(inst).source
+            g.ready(DecodeService("main", None, None, {}))  # MD serves now
+            again = e.probe_unmeasured(inst)
+            await e.probes[inst.address]
+            return failed, before, again, e.link(inst).source, e.probe_unmeasured(inst)
+        finally:
+            if inst.kv_channel is not None:
+                await inst.kv_channel.close()
+            await server.stop(0)
+
+    failed, before, again, after, twice = asyncio.run(main())
+    assert failed["error"] and before == "prior", failed
+    assert again and after == "probe" and not twice
