@@ -46,27 +46,28 @@ class Executables:
         self.resize(capacity)
 
     def build(self, program: str, make, args: tuple, statics: dict, key_args: tuple | None = None,
-              sharded: bool = False, behind: bool = False, options: dict | None = None):
+              sharded: bool = False, behind: bool = False, options=None):
         """The executable of `make()` (-> an object with `.lower(*args, **statics)`: called only
         to build) for these arguments and statics: held, or built now. Nothing runs. `args[0]` of the "forward"
         program is the weights (their signature is computed once per weights object);
         `key_args`, when given, stands for `args` in the key (the sampler keys its logits by
         shape and dtype alone). `sharded`: a multi-device program (never in the disk cache).
-        `behind`: a background build's (counted in `built_behind`). `options`: XLA's compile
-        options (`compiler_options`), in the key.
+        `behind`: a background build's (counted in `built_behind`). `options`: called on a miss
+        only, -> XLA's compile options (`compiler_options`: the model's size and an env knob, read
+        when a program is built; part of the disk cache's key, not of this LRU's).
         -> (executable, whether it was built now)."""
         shown = args if key_args is None else key_args
         if program == "forward":
             sig = (self._weights_signature(shown[0]), signature(shown[1:]))
         else:
             sig = (None, signature(shown))
-        key = (program, *sig, tuple(sorted((options or {}).items())), tuple(sorted(statics.items())))
+        key = (program, *sig, tuple(sorted(statics.items())))
         with self._lock:
             fn = self._lru.get(key)
             if fn is not None:
                 self._lru.move_to_end(key)
                 return fn, False
-        fn = _load_or_compile(make, args, statics, key, sharded, options)
+        fn = _load_or_compile(make, args, statics, key, sharded, options() if options else None)
         with self._lock:
             self.built += 1
             self.built_behind += behind
@@ -136,7 +137,7 @@ def _load_or_compile(make, args: tuple, statics: dict, key: tuple, sharded: bool
     there (exec_cache.py says why afresh); a sharded one compiled through JAX's persistent cache.
     Either compiles with XLA `options`."""
     if not sharded and exec_cache.enabled():
-        name = exec_cache.key(key[:-1], statics)  # the options are in key[:-1]
+        name = exec_cache.key(key[:-1] + ((tuple(sorted(options.items())),) if options else ()), statics)
         fn = exec_cache.load(name, _devices(args))
         if fn is None:
             with exec_cache.fresh_compile():

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pddjax.engines.engine_api import TokenLogprobs
-from pddjax.engines.executables import compiler_options
+from pddjax.engines.executables import QUICK, compiler_options
 from pddjax.model import penalties, token_mask
 from pddjax.model import weights as wmod
 from pddjax.model.config import ModelConfig
@@ -95,9 +95,9 @@ class _Programs(NamedTuple):
 
 
 @functools.lru_cache(maxsize=2)
-def _programs(options: tuple) -> _Programs:
-    """The reference's jitted programs, compiled with XLA `options` ((name, value) pairs)."""
-    opts = dict(options) or None
+def _programs(quick: bool) -> _Programs:
+    """The reference's jitted programs, compiled with XLA's defaults or `QUICK` (`compiler_options`)."""
+    opts = dict(QUICK) if quick else None
     return _Programs(jax.jit(_prefill, static_argnames=("cfg",), donate_argnames=("cache",), compiler_options=opts),
                      jax.jit(_decode, static_argnames=("cfg",), donate_argnames=("cache",), compiler_options=opts),
                      jax.jit(_pick, static_argnames=("greedy",), compiler_options=opts))
@@ -128,7 +128,7 @@ class ReferenceEngine:
         self.grammar = grammar  # a pddjax.grammar.compiler.GrammarCompiler (None: constrained requests refused)
         self.dtype = jnp.dtype(dtype)
         self.weights = wmod.cast(wmod.for_engine(weights, True), self.dtype)
-        self.programs = _programs(tuple(sorted((compiler_options(cfg) or {}).items())))
+        self.programs = _programs(compiler_options(cfg) is not None)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                stop_ids: tuple[int, ...] | None = None, return_logits: bool = False, matcher=None) -> Iterator:

@@ -255,7 +255,7 @@ def build_sampler(cfg, B: int, layout=None, behind: bool = False) -> int:
 def _build_forward(fargs: tuple, statics: dict, layout, behind: bool):
     """-> (the forward's executable for these arguments, whether it was built now)."""
     return _executables.build("forward", lambda: _jitted("forward", fargs, layout), fargs, statics,
-                              sharded=_sharded(layout), behind=behind, options=compiler_options(statics["cfg"]))
+                              sharded=_sharded(layout), behind=behind, options=lambda: compiler_options(statics["cfg"]))
 
 
 def _build_sample(cfg, sargs: tuple, layout, behind: bool):
@@ -264,7 +264,7 @@ def _build_sample(cfg, sargs: tuple, layout, behind: bool):
     logits = _logits_key(sargs[1].shape[1], cfg.vocab_size)  # ints: [5, B]
     return _executables.build("sample", lambda: _jitted("sample", sargs, layout), (logits, *sargs), {},
                               key_args=(logits, *sargs), sharded=_sharded(layout), behind=behind,
-                              options=compiler_options(cfg))
+                              options=lambda: compiler_options(cfg))
 
 
 def release_tracing_caches() -> None:

@@ -63,16 +63,16 @@ class Ahead:
         if self.tokens is None:
             return
         if isinstance(it, Abort):  # MD failed before the switch: RLD goes on alone
-            self.tokens = None
+            self.drop()
             return
         if it.token_ids:
             if self.wants_logprobs and len(it.logprobs) != len(it.token_ids):
-                self.tokens = None  # MD's batch lacks logprobs: never switch on it
+                self.drop()  # MD's batch lacks logprobs: never switch on it
                 return
             if not self.tokens:
                 self.at, self.t0, self.logprobs = it.start_position, time.perf_counter(), []
             elif it.start_position != self.at + len(self.tokens):
-                self.tokens = None  # a hole in MD's stream: never switch on it
+                self.drop()  # a hole in MD's stream: never switch on it
                 return
             self.tokens += it.token_ids
             self.logprobs += it.logprobs
