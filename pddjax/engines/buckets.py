@@ -189,17 +189,42 @@ def pack_rows(members: list[Shape], pad_limit: float, pending: list, step_tokens
     goes first next step). `pending`: objects with `num_pending`; `start_of(row)`: the KV
     positions it already has (its page table width; the simulator has none: 0).
     PagedEngine.step and the simulator's P (pddjax/sim/engine_prefill.py) both step by this."""
+    decode = _decode_step(members, pending, step_tokens, max_rows, page_size, start_of)
+    if decode is not None:
+        return decode, False
+    return _pack_rows(members, pad_limit, pending, step_tokens, max_rows, multi_first, page_size, start_of)
+
+
+def _decode_step(members: list[Shape], pending: list, step_tokens: int, max_rows: int, page_size: int,
+                 start_of) -> list | None:
+    """The rows of a step where every pending row decodes one token, in O(rows): the first
+    min(max_rows, step_tokens) of them in arrival order, when one member holds them all (then it
+    holds every prefix too, so `_pack_rows` would take the same rows); else None."""
+    if not pending or any(row.num_pending != 1 for row in pending):
+        return None
+    take = pending[:min(max_rows, step_tokens)]
+    width = max(-(-(start_of(row) + 1) // page_size) for row in take)  # pages the widest row needs
+    if fit(members, len(take), len(take), width, 1) is None:
+        return None
+    return [(row, 1) for row in take]
+
+
+def _pack_rows(members: list[Shape], pad_limit: float, pending: list, step_tokens: int, max_rows: int,
+               multi_first: bool, page_size: int, start_of) -> tuple[list, bool]:
+    """`pack_rows` row by row (any mix of decode rows, chunks and extends)."""
     rows, budget, packed, width, q = [], step_tokens, 0, 0, 0  # the step so far: tokens, widest table, longest row
+    shortest = 0  # the fewest tokens of any row so far (1: the step has a decode row)
     for row in step_order(pending, multi_first):
         if len(rows) == max_rows or budget == 0:
             break
         start = start_of(row)
         n = fit_row(members, packed, len(rows), width, q, start, min(row.num_pending, budget), page_size)
         wider = max(width, -(-(start + n) // page_size))  # pages the step's widest row needs
-        decode_rows = n == 1 or bool(rows) and min(k for _, k in rows) == 1
+        decode_rows = n == 1 or shortest == 1
         if n == 0 or (rows and pads_past(members, pad_limit, len(rows) + 1, packed + n, wider, max(q, n),
                                          decode_rows)):
             return rows, not multi_first and row.num_pending > 1
         rows.append((row, n))
+        shortest = n if not shortest else min(shortest, n)
         budget, packed, q, width = budget - n, packed + n, max(q, n), wider
     return rows, False

@@ -217,7 +217,9 @@ def _place(pieces: list[KVRun], which: str, pool: KVPool, padded: int) -> jax.Ar
             made[(h0, h1)] = out
         return made[(h0, h1)]
     if not isinstance(pool.k.sharding, NamedSharding):  # one device: uncommitted, as the pool is (the
-        return jnp.asarray(heads_of((slice(None),) * 4))  # precompiled copies stay the ones that run)
+        # precompiled copies stay the ones that run); device_put, not jnp.asarray: that one
+        # dispatches a conversion primitive per call
+        return jax.device_put(heads_of((slice(None),) * 4))
     return jax.make_array_from_callback((L, padded, K, D), run_sharding(pool), heads_of)
 
 

@@ -71,6 +71,32 @@ def test_every_step_the_scheduler_can_form_fits_a_member():
         assert checked > 1000, checked  # decode steps (30%) and the mixed steps let through
 
 
+def test_a_decode_only_step_takes_the_rows_the_row_by_row_packing_takes():
+    """`pack_rows` takes a step of decode rows at once (`_decode_step`); on full sets, covering
+    sets and sets missing the widest decode members, with rows near and past the limits, it
+    picks exactly what packing row by row picks, and some of these cases fall back to it."""
+    class Row:
+        def __init__(self, start):
+            self.start, self.num_pending = start, 1
+
+    rng = np.random.default_rng(1)
+    full = buckets.bucket_set(PDDJAX_TOML, SMOLLM2_135M)
+    w_max = max(mp for _, _, mp, _ in full)
+    narrow = [m for m in full if not (m[2] == w_max and m[1] >= 8)]  # no 8 rows at the widest table
+    fell_back = 0
+    for members in (full, buckets.covering_set(full), narrow):
+        for _ in range(300):
+            n = int(rng.integers(1, 3 * PDDJAX_TOML.max_rows))
+            pending = [Row(int(rng.integers(0, w_max * 16))) for _ in range(n)]
+            args = (members, PDDJAX_TOML.pad_limit, pending, int(rng.choice([4, 256])), PDDJAX_TOML.max_rows,
+                    bool(rng.random() < 0.5), 16, lambda r: r.start)
+            fast = buckets._decode_step(*args[:1], *args[2:5], *args[6:])
+            fell_back += fast is None
+            assert buckets.pack_rows(*args) == buckets._pack_rows(*args)
+            assert fast is None or (fast, False) == buckets._pack_rows(*args)
+    assert 0 < fell_back < 900, fell_back
+
+
 def engine(tiny, **kw):
     cfg = dict(page_size=16, num_pages=256, max_step_tokens=256, max_rows=8) | kw
     return PagedEngine(tiny.config, tiny.weights, tiny.fingerprint, EngineConfig(**cfg))
