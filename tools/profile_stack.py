@@ -96,7 +96,8 @@ def collect(args) -> None:
                 def load(p=p, k=k, figs=figs):
                     for j in range(args.repeat):
                         prompts = sl.make_prompts(8000 + 100 * k + j, args.streams, 32, vocab)
-                        t0, recs = sl.send_burst(stack.router, prompts, args.max_tokens, p, f"prof-{p}-{j}")
+                        t0, recs = sl.send_burst(stack.router, prompts, args.max_tokens, p, f"prof-{p}-{j}",
+                                                 interval=args.stream_interval)
                         figs.append(sum(len(r.tokens) for r in recs) / max(r.times[-1] - t0 for r in recs if r.times))
                 print(f"profile: {p} x {args.streams} streams x {args.repeat}", file=sys.stderr, flush=True)
                 t_from = time.time()
@@ -336,6 +337,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--rate", type=int, default=100)
+    ap.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed message")
     ap.add_argument("--json", help="write the breakdown here")
     args = ap.parse_args(argv)
     directory = args.analyze or args.out
