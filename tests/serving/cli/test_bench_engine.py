@@ -41,3 +41,23 @@ def test_the_constrained_column_times_a_schema_and_a_masked_decode(tiny):
     eng.check_integrity()
     schema = bench_engine._schema("x")
     assert len(schema["properties"]) == bench_engine.SCHEMA_PROPERTIES == len(schema["required"])
+
+
+def test_the_bench_reports_the_better_of_two_decode_rounds_and_fractions_of_the_floor(tmp_path):
+    """The whole command on the tiny model: decode is timed in two rounds (first and last), the
+    figure is the better one, every step has a floor and a fraction, and nothing compiles in the
+    second round."""
+    import json
+
+    from serving.cli import main
+
+    out = tmp_path / "engine.json"
+    assert main(["bench", "engine", "--model", "tiny", "--batches", "1,2", "--extends", "1,16", "--repeats", "2",
+                 "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert set(figures["decode_ms_rounds"]) == {"1", "2"}
+    for b, (first, last) in figures["decode_ms_rounds"].items():
+        assert figures["decode_ms"][b] == min(first, last) > 0
+    assert figures["compiles_after_warmup"] == 0
+    steps = figures["roofline"]["decode"] | figures["roofline"]["extend"]
+    assert all(s["fraction"] == round(s["measured_ms"] / s["floor_ms"], 2) for s in steps.values())
