@@ -38,9 +38,10 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args(argv)
     T, B, MP, Q = (int(x) for x in args.shape.split(","))
-    if T % B or T // B > Q or (args.context + T // B) > MP * args.page_size or B * MP >= args.num_pages:
+    pages = -(-(args.context + T // B) // args.page_size)  # each row's
+    if T % B or T // B > Q or pages > MP or (B - 1) * MP + pages > args.num_pages - 1:
         raise SystemExit("step_trace: the shape must hold B rows of T / B tokens (<= Q) after --context tokens "
-                         "each in MP pages, and the pool B x MP pages")
+                         "each in MP pages, and the pool the B rows' pages (rows MP pages apart, page 0 scratch)")
 
     from pddjax.model.jax_setup import configure
 

@@ -25,5 +25,7 @@ def test_a_step_is_traced_and_its_thunks_named(capsys):
 
 
 def test_a_shape_the_pool_cannot_hold_is_refused():
-    with pytest.raises(SystemExit, match="the pool B x MP pages"):
+    with pytest.raises(SystemExit, match="and the pool the B rows' pages"):
         step_trace.main(["--model", "tiny", "--shape", "64,64,32,1", "--num-pages", "128"])
+    with pytest.raises(SystemExit, match="in MP pages"):  # 64 + 1 tokens need 5 pages of 16
+        step_trace.main(["--model", "tiny", "--shape", "1,1,4,1", "--context", "64"])
