@@ -88,7 +88,8 @@ def bucket_set(config, model_config) -> list[Shape]:
 
     Tmax = pow2(max_step_tokens), Bmax = pow2(max_rows), Wmax = `max_width`; ladders x2
     unless said (each ends at its max):
-    decode  every row one token: T = B in 1, 2, 4 .. Bmax; Q = 1; MP in 8, 16, 32 .. Wmax.
+    decode  every row one token: T = B in 1, 2, 4 .. Bmax; Q = 1; MP in 8, 16, 32 .. Wmax and the
+            x1.5 steps from 64 on (96, 192, ...: `decode_widths`).
     chunk   one row of several tokens (a prefill chunk, a lone extend): B = 1, Q = T in
             16, 32 .. Tmax; MP in 32, 64 .. Wmax.
     mixed   several rows, one or more of several tokens (prompt rows sharing a step, extend /
@@ -103,11 +104,11 @@ def bucket_set(config, model_config) -> list[Shape]:
     mixed step's Q is what its rows need, not T (measured on the tiny model, 64 rows: Q = T
     = 256 took 515 ms, Q = 16 15 ms, a decode step of 64 rows 4.3 ms).
     Greedy and sampled rows share every variant (the step picks its sampler at run time).
-    Sizes: configs/tiny.toml 22; serving/default_stack.toml P and MD 110, RLD 90."""
+    Sizes: configs/tiny.toml 22; serving/default_stack.toml P and MD 125, RLD 100."""
     t_max, b_max = pow2_at_least(config.max_step_tokens), pow2_at_least(config.max_rows)
     w_max = max_width(config, model_config)
     widths = ladder(min(4 * MIN_WIDTH, w_max), w_max, 2)
-    decode = [(b, b, w, 1) for b in ladder(1, b_max, 2) for w in ladder(MIN_WIDTH, w_max, 2)]
+    decode = [(b, b, w, 1) for b in ladder(1, b_max, 2) for w in decode_widths(w_max)]
     chunk = [] if t_max < 2 else [(t, 1, w, t) for t in ladder(min(MIN_CHUNK, t_max), t_max, 2) for w in widths]
     if t_max < 2 or b_max < 2:
         mixed = []
@@ -118,6 +119,19 @@ def bucket_set(config, model_config) -> list[Shape]:
         mixed = [(t, b, w, t) for t in ladder(min(MIN_CHUNK, t_max), t_max, 4)
                  for b in ladder(min(4, b_max), b_max, 4) if b <= t for w in widths]
     return sorted(set(decode + chunk + mixed), key=lambda s: step_cost(s, config.page_size))
+
+
+MID_WIDTH_FROM = 64  # decode widths from here on also get the x1.5 step between two of the x2 ladder
+
+
+def decode_widths(w_max: int) -> list[int]:
+    """The page-table widths of decode members: 8, 16, 32, 64, ... w_max, and 96, 192, 384, ...
+    below w_max. A decode step gathers and attends over every slot of its width, so a row of
+    65 pages at width 128 pays for 128: the real model's 4-row decode at a 1,100-token context
+    ran 131.6 ms at width 128 and 105.7 ms at 96 (2026-12-06). Below 64 pages the step is
+    mostly its matmuls at the batch sizes that take such widths."""
+    x2 = ladder(MIN_WIDTH, w_max, 2)
+    return sorted({*x2, *(w * 3 // 2 for w in x2 if w >= MID_WIDTH_FROM and w * 3 // 2 < w_max)})
 
 
 def covering_set(members: list[Shape]) -> list[Shape]:

@@ -28,9 +28,9 @@ PDDJAX_TOML = EngineConfig(page_size=16, num_pages=512, max_step_tokens=256, max
 
 def test_the_set_is_small_and_stated():
     assert len(buckets.bucket_set(TINY_TOML, TINY)) == 22
-    assert len(buckets.bucket_set(PDDJAX_TOML, SMOLLM2_135M)) == 110
+    assert len(buckets.bucket_set(PDDJAX_TOML, SMOLLM2_135M)) == 125
     relay = EngineConfig(page_size=16, num_pages=256, max_step_tokens=256, max_rows=16)
-    assert len(buckets.bucket_set(relay, SMOLLM2_135M)) == 90
+    assert len(buckets.bucket_set(relay, SMOLLM2_135M)) == 100
     members = buckets.bucket_set(PDDJAX_TOML, SMOLLM2_135M)
     costs = [buckets.step_cost(m, 16) for m in members]
     assert costs == sorted(costs) and len(set(members)) == len(members)
@@ -40,6 +40,11 @@ def test_the_set_is_small_and_stated():
                                                 pad_limit=0), TINY)
     assert {(T, B, Q) for T, B, _, Q in unlimited if B > 1 and Q > 1} == {  # the coarse Q = T members
         (16, 4, 16), (16, 8, 16), (64, 4, 64), (64, 8, 64), (128, 4, 128), (128, 8, 128)}
+    # decode widths: the x2 ladder, and its x1.5 steps from 64 pages on
+    assert {w for _, _, w, q in members if q == 1} == {8, 16, 32, 64, 96, 128, 192, 256, 384, 512}
+    assert buckets.decode_widths(128) == [8, 16, 32, 64, 96, 128] and buckets.decode_widths(32) == [8, 16, 32]
+    # a decode row of 65 .. 96 pages pads to 96, of 97 to 128
+    assert [buckets.fit(members, 4, 4, w, 1)[2] for w in (64, 65, 96, 97)] == [64, 96, 96, 128]
 
 
 def test_every_step_the_scheduler_can_form_fits_a_member():
