@@ -91,7 +91,8 @@ def bucket_set(config, model_config) -> list[Shape]:
     decode  every row one token: T = B in 1, 2, 4 .. Bmax; Q = 1; MP in 8, 16, 32 .. Wmax and the
             x1.5 steps from 64 on (96, 192, ...: `decode_widths`).
     chunk   one row of several tokens (a prefill chunk, a lone extend): B = 1, Q = T in
-            16, 32 .. Tmax; MP in 32, 64 .. Wmax.
+            16, 32 .. Tmax and the x1.5 steps from 128 on (192, 384: `chunk_tokens`); MP in
+            32, 64 .. Wmax.
     mixed   several rows, one or more of several tokens (prompt rows sharing a step, extend /
             tail chunks of several handoffs, with or without decode rows), pad_limit > 0:
             B in 2, 4 .. Bmax, Q in 16, 32 .. with T = B x Q <= Tmax, MP as chunk: a step
@@ -104,12 +105,12 @@ def bucket_set(config, model_config) -> list[Shape]:
     mixed step's Q is what its rows need, not T (measured on the tiny model, 64 rows: Q = T
     = 256 took 515 ms, Q = 16 15 ms, a decode step of 64 rows 4.3 ms).
     Greedy and sampled rows share every variant (the step picks its sampler at run time).
-    Sizes: configs/tiny.toml 22; serving/default_stack.toml P and MD 125, RLD 100."""
+    Sizes: configs/tiny.toml 22; serving/default_stack.toml P and MD 130, RLD 104."""
     t_max, b_max = pow2_at_least(config.max_step_tokens), pow2_at_least(config.max_rows)
     w_max = max_width(config, model_config)
     widths = ladder(min(4 * MIN_WIDTH, w_max), w_max, 2)
     decode = [(b, b, w, 1) for b in ladder(1, b_max, 2) for w in decode_widths(w_max)]
-    chunk = [] if t_max < 2 else [(t, 1, w, t) for t in ladder(min(MIN_CHUNK, t_max), t_max, 2) for w in widths]
+    chunk = [] if t_max < 2 else [(t, 1, w, t) for t in chunk_tokens(t_max) for w in widths]
     if t_max < 2 or b_max < 2:
         mixed = []
     elif config.pad_limit > 0:
@@ -122,6 +123,17 @@ def bucket_set(config, model_config) -> list[Shape]:
 
 
 MID_WIDTH_FROM = 64  # decode widths from here on also get the x1.5 step between two of the x2 ladder
+MID_CHUNK_FROM = 128  # and chunk lengths from here on
+
+
+def chunk_tokens(t_max: int) -> list[int]:
+    """The lengths (T = Q) of single-row chunk members: 16, 32, 64, ... t_max, and 192, 384, ...
+    below t_max. A prompt's uncached tail pads to the next one: the real model's chunk at a
+    900-token context ran 568.7 ms at 192 tokens against 756.6 at 256 (and 323.9 at 96 against
+    381.9 at 128: too little to pay a member for; 2026-12-06), and after a cached prefix tails
+    of any length are common."""
+    x2 = ladder(min(MIN_CHUNK, t_max), t_max, 2)
+    return sorted({*x2, *(t * 3 // 2 for t in x2 if t >= MID_CHUNK_FROM and t * 3 // 2 < t_max)})
 
 
 def decode_widths(w_max: int) -> list[int]:

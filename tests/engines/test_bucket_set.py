@@ -28,9 +28,9 @@ PDDJAX_TOML = EngineConfig(page_size=16, num_pages=512, max_step_tokens=256, max
 
 def test_the_set_is_small_and_stated():
     assert len(buckets.bucket_set(TINY_TOML, TINY)) == 22
-    assert len(buckets.bucket_set(PDDJAX_TOML, SMOLLM2_135M)) == 125
+    assert len(buckets.bucket_set(PDDJAX_TOML, SMOLLM2_135M)) == 130
     relay = EngineConfig(page_size=16, num_pages=256, max_step_tokens=256, max_rows=16)
-    assert len(buckets.bucket_set(relay, SMOLLM2_135M)) == 100
+    assert len(buckets.bucket_set(relay, SMOLLM2_135M)) == 104
     members = buckets.bucket_set(PDDJAX_TOML, SMOLLM2_135M)
     costs = [buckets.step_cost(m, 16) for m in members]
     assert costs == sorted(costs) and len(set(members)) == len(members)
@@ -45,6 +45,11 @@ def test_the_set_is_small_and_stated():
     assert buckets.decode_widths(128) == [8, 16, 32, 64, 96, 128] and buckets.decode_widths(32) == [8, 16, 32]
     # a decode row of 65 .. 96 pages pads to 96, of 97 to 128
     assert [buckets.fit(members, 4, 4, w, 1)[2] for w in (64, 65, 96, 97)] == [64, 96, 96, 128]
+    # chunk lengths: the x2 ladder and 192 (its x1.5 steps from 128 on); a 150-token tail takes 192
+    assert sorted({t for t, b, _, q in members if b == 1 and q > 1}) == [16, 32, 64, 128, 192, 256]
+    assert buckets.chunk_tokens(128) == [16, 32, 64, 128]
+    assert buckets.fit(members, 150, 1, 70, 150)[::3] == (192, 192)
+    assert buckets.fit_row(members, 0, 0, 0, 0, 900, 150, 16) == 150
 
 
 def test_every_step_the_scheduler_can_form_fits_a_member():
