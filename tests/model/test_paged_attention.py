@@ -143,6 +143,22 @@ def test_xla_matches_numpy(batch, cfg):
     assert np.all(got[int(args[3][-1]):] == 0)
 
 
+decode_st = st.tuples(st.lists(st.tuples(st.sampled_from(["empty", "decode"]), st.just(1), st.integers(0, MAX_KV)),
+                               min_size=NUM_ROWS, max_size=NUM_ROWS), st.integers(0, 2**32 - 1))
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=decode_st, cfg=st.sampled_from([(8, 1), (16, 3), (32, 4)]))
+def test_xla_decode_form_matches_numpy(batch, cfg):
+    """A step of one-token rows runs its own product order (K on the left, `max_q_len` 1): the
+    same attention, within float32 rounding of the per-token loop."""
+    q, k, v, cu, kv, pt = make_batch(*batch, *cfg, "float32")
+    fn = jax.jit(flat(functools.partial(paged_attention, impl="xla"), max_q_len=1))
+    got = as_np(fn(q, k, v, cu, kv, pt))
+    np.testing.assert_allclose(got, numpy_reference(q, k, v, cu, kv, pt, SCALE), atol=2e-5, rtol=0)
+    assert np.all(got[int(cu[-1]):] == 0)
+
+
 def test_write_kv_scatters_and_padding_hits_scratch():
     pool = jnp.zeros((2, 4, 8, 3))  # [KH, P, S, D]
     k_new = jnp.arange(3 * 2 * 3, dtype=jnp.float32).reshape(3, 2, 3) + 1  # [T, KH, D]
