@@ -226,3 +226,32 @@ def test_an_engine_builds_a_forward_per_member_and_a_sampler_per_row_count(tiny,
         assert precompile.build_shape(eng, shape) == (shape not in eng.shapes), shape
     assert held.held("sample") == 4 and held.held("forward") == len(eng.stated) == 22
     held.check_integrity()
+
+
+
+def test_long_rows_run_in_the_x1_5_members_with_the_reference_tokens(tiny):
+    """The tiny model at a 2,048-token context: a 1,100-token prompt's decode rows (69-70 pages)
+    run at width 96, not 128, and a 150-token tail after a cached 896-token prefix runs as one
+    192-token chunk, not 256; every token is the reference's."""
+    import dataclasses
+
+    model_cfg = dataclasses.replace(tiny.config, max_context=2048)
+    ref = ReferenceEngine(model_cfg, tiny.weights)
+    eng = PagedEngine(model_cfg, tiny.weights, tiny.fingerprint,
+                      EngineConfig(page_size=16, num_pages=256, max_step_tokens=256, max_rows=4))
+    base = prompt(1100, 7)
+    eng.add("long", base, GREEDY, 6, ())
+    got, shapes = [], []
+    while eng.has_work():
+        got += [e.token for e in eng.step()]
+        shapes.append(eng.last_shape[:4])
+    assert got == ref.generate(base, GREEDY, 6, ()).token_ids
+    decodes = [s for s in shapes if s[3] == 1]
+    assert len(decodes) == 5 and {s[2] for s in decodes} == {96}  # 69-70 pages
+    tail = base[:896] + prompt(150, 8)
+    seq = eng.add("tail", tail, GREEDY, 2, ())
+    assert seq.pages.num_cached == 896
+    first = [e.token for e in eng.step()]
+    assert eng.last_shape[:4] == (192, 1, 128, 192)  # 1,046 tokens: 66 pages, a chunk width of 128
+    assert first + [e.token for e in eng.step()] == ref.generate(tail, GREEDY, 2, ()).token_ids
+    eng.check_integrity()
