@@ -145,7 +145,9 @@ def test_a_chunked_body_is_cut_at_the_limit():
                     writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                     await writer.drain()
                     sent += len(chunk)
-                    await asyncio.sleep(0)
+                    # the server shares this loop: a real pause lets its reads run between chunks
+                    # (with sleep(0) the socket buffers took 2x the limit on a loaded machine)
+                    await asyncio.sleep(0.001)
             raw = await asyncio.wait_for(answer, 5)
             writer.close()
             status, payload = status_and_json(raw)
