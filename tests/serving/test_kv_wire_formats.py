@@ -69,6 +69,26 @@ def test_crc_covers_the_encoded_bytes_and_the_format(fmt, field):
     assert e.value.code_name == "DATA_LOSS" and "checksum" in str(e.value)
 
 
+def test_small_native_chunks_decode_on_the_loop_and_the_rest_on_a_thread():
+    """The receiver decodes a native chunk of at most ON_LOOP_BYTES on its event loop; a larger
+    one, or one of a lossy format (decompression), on a worker thread."""
+    from serving.engine import kv_receiver
+
+    def first_chunk(fmt: str, tokens: int):
+        return kvwire.Chunker("r", 0, tokens, 1 << 30, fmt, 16).feed(run_of(tokens), [7])[0]
+
+    fits = kv_receiver.ON_LOOP_BYTES // TINY_NATIVE  # tokens of tiny KV in a chunk that fits
+    fresh = kvwire.Assembler(run_of(1).fingerprint)
+    assert kv_receiver._on_loop(fresh, first_chunk("native", fits))
+    assert not kv_receiver._on_loop(fresh, first_chunk("native", fits + 1))
+    assert not kv_receiver._on_loop(fresh, first_chunk("int8", 16))
+    opened = kvwire.Assembler(run_of(1).fingerprint, accepts=("native", "int8"))
+    opened.feed(first_chunk("int8", 16))  # the stream's format, named by its first chunk
+    later = first_chunk("native", 16)
+    later.ClearField("header")
+    assert not kv_receiver._on_loop(opened, later)
+
+
 def test_assembler_refuses_a_format_it_did_not_declare():
     (c,) = kvwire.chunks("r", run_of(20), 0, [], 1 << 20, "int8", 16)
     with pytest.raises(kvwire.WireError) as e:
