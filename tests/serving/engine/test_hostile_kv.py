@@ -222,18 +222,27 @@ def test_a_chunk_naming_another_request_is_refused(tiny):
     assert b_reserved and b_tokens == 0
 
 
-def test_chunks_are_decoded_off_the_event_loop(tiny, monkeypatch):
+@pytest.mark.parametrize("fmt,chunk_bytes,on_loop", [
+    ("native", 4096, True),  # small raw copies: decoded where they arrive
+    ("native+zstd", 4096, False),  # decompression: a worker thread
+    ("native", 1 << 20, False),  # past kv_receiver.ON_LOOP_BYTES: a worker thread
+])
+def test_only_small_native_chunks_are_decoded_on_the_event_loop(tiny, monkeypatch, fmt, chunk_bytes, on_loop):
+    from serving.engine import kv_receiver
+
+    monkeypatch.setattr(kv_receiver, "ON_LOOP_BYTES", 8192)  # the 32 tokens' 16 KiB: past it in one chunk
     decoded = _record(monkeypatch, "decode")
 
     async def main():
         async with _main(tiny) as svc:
             await _reserve(svc, "r")
-            await svc.PushKV(_aiter(kvwire.chunks("r", _run(tiny, RESERVED), 0, [], 4096)), Ctx())
+            chunks = kvwire.chunks("r", _run(tiny, RESERVED), 0, [], chunk_bytes, fmt)
+            await svc.PushKV(_aiter(chunks), Ctx())
             return threading.current_thread(), await svc.worker.call(lambda e: e.seqs["r"].pages.num_tokens)
 
     loop_thread, imported = asyncio.run(main())
     assert imported == RESERVED and decoded
-    assert all(t is not loop_thread for _, t in decoded)
+    assert all((t is loop_thread) == on_loop for _, t in decoded)
 
 
 def test_a_malformed_chunk_mid_stream_fails_the_slot(tiny):

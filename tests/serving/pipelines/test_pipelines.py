@@ -82,8 +82,10 @@ def test_long_prompt_streams_kv_while_prefilling(client, ref, stack, pipeline):
 def test_slow_link_pdd_starts_on_relay_ends_on_main(client, ref, stack, handoff):
     """120 prompt tokens = 61 KB of KV to MD; at 2 Mb/s that takes ~250 ms while RLD decodes
     up to 380 tokens (a few ms each here). A cold MD compiles each new extend shape (~1 s on
-    this CPU), long enough for RLD to finish alone (correct, but no handoff to check), so we
-    retry with fresh prompts of the same shape until one hands off (at most 6 tries)."""
+    this CPU), long enough for RLD to finish alone (correct, but no handoff to check), and MD
+    takes the stream over only once it holds every token the user has, so RLD can finish first
+    even after handing off: we retry with fresh prompts of the same shape until MD takes over
+    (at most 6 tries)."""
     stack.link.set(mbps=2.0)
     try:
         for attempt in range(6):
@@ -92,7 +94,7 @@ def test_slow_link_pdd_starts_on_relay_ends_on_main(client, ref, stack, handoff)
                                 timeout=240)
             assert r.token_ids == ref.generate(p, SamplingParams(), 380, ()).token_ids
             check_sources("pdd", r.sources)
-            if r.usage["handoff_chunks"]:
+            if r.usage["main_tokens"]:
                 break
     finally:
         stack.link.set()
