@@ -139,9 +139,9 @@ def chunk_tokens(t_max: int) -> list[int]:
 def decode_widths(w_max: int) -> list[int]:
     """The page-table widths of decode members: 8, 16, 32, 64, ... w_max, and 96, 192, 384, ...
     below w_max. A decode step gathers and attends over every slot of its width, so a row of
-    65 pages at width 128 pays for 128: the real model's 4-row decode at a 1,100-token context
-    ran 131.6 ms at width 128 and 105.7 ms at 96 (2026-12-06). Below 64 pages the step is
-    mostly its matmuls at the batch sizes that take such widths."""
+    65 pages at width 128 pays for 128: the real model's decode at a 1,100-token context ran
+    309.6 / 131.9 ms at width 128 and 265.2 / 118.0 ms at 96 with 16 / 4 rows (2026-12-06).
+    Below 64 pages the step is mostly its matmuls at the batch sizes that take such widths."""
     x2 = ladder(MIN_WIDTH, w_max, 2)
     return sorted({*x2, *(w * 3 // 2 for w in x2 if w >= MID_WIDTH_FROM and w * 3 // 2 < w_max)})
 

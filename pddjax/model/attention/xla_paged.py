@@ -50,8 +50,8 @@ def paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, ro
     Each row's pages are gathered as the pool lays them out, [KH, B, MP, S, D] (one copy of
     B x MP pages per layer, no transpose), and both products contract over (page, slot) in that
     layout: XLA:CPU then hands them to its batched-matmul library without relaying the gathered
-    KV (a [B, KH, MP*S, D] copy and batched products over it measured 1.4x slower, the products
-    alone 4x)."""
+    KV. (Gathered then transposed to [B, KH, MP*S, D], the real model's whole step ran 1.1-1.2x
+    slower at 8-32 decode rows, 1.2x for a 64-token extend, 1.45x for a 512-token prefill.)"""
     cu_q_lens, kv_lens, max_q_len, sm_scale = rows.cu_q_lens, rows.kv_lens, rows.max_q_len, rows.sm_scale
     page_tables = rows.page_tables  # [B, MP]
     num_kv_heads, _, page_size, head_dim = k_pages.shape
