@@ -158,8 +158,8 @@ class ServiceConfig:
     kv_peers: list[str] = dataclasses.field(default_factory=list)  # prefill: where it may push KV (authz.KVPeers)
     kv_peers_file: str | None = None  # prefill: a JSON list of more, re-read when it changes
     handoff_peers: list[str] = dataclasses.field(default_factory=list)  # relay: MD addresses it may hand off to
-    # a multi-host instance (pddjax/engines/multihost.py): process 0 serves, the others follow its steps
     max_context: int | None = None  # the stack's cap on a request's tokens (None: the model's context)
+    # a multi-host instance (pddjax/engines/multihost.py): process 0 serves, the others follow its steps
     coordinator_address: str | None = None  # HOST:PORT of process 0's jax.distributed coordinator
     num_processes: int = 1
     process_id: int = 0

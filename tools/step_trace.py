@@ -68,13 +68,13 @@ def main(argv=None) -> int:
 
     step()
     walls = []
-    folder = tempfile.mkdtemp(prefix="pddjax-step-trace-")
-    with jax.profiler.trace(folder, create_perfetto_trace=True):
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            step()
-            walls.append(time.perf_counter() - t0)
-    thunks = _thunk_times(folder, args.reps)
+    with tempfile.TemporaryDirectory(prefix="pddjax-step-trace-") as folder:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                step()
+                walls.append(time.perf_counter() - t0)
+        thunks = _thunk_times(folder, args.reps)
     shapes = _fusion_shapes(compiled.as_text())
     print(f"{args.model} forward [{T}, {B}, {MP}, {Q}] at context {args.context}: "
           f"{1e3 * min(walls):.1f} ms a step (best of {args.reps}); thunks per step:")

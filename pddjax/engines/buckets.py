@@ -132,8 +132,7 @@ def chunk_tokens(t_max: int) -> list[int]:
     900-token context ran 568.7 ms at 192 tokens against 756.6 at 256 (and 323.9 at 96 against
     381.9 at 128: too little to pay a member for; 2026-12-06), and after a cached prefix tails
     of any length are common."""
-    x2 = ladder(min(MIN_CHUNK, t_max), t_max, 2)
-    return sorted({*x2, *(t * 3 // 2 for t in x2 if t >= MID_CHUNK_FROM and t * 3 // 2 < t_max)})
+    return _with_mid_steps(ladder(min(MIN_CHUNK, t_max), t_max, 2), MID_CHUNK_FROM)
 
 
 def decode_widths(w_max: int) -> list[int]:
@@ -142,8 +141,12 @@ def decode_widths(w_max: int) -> list[int]:
     65 pages at width 128 pays for 128: the real model's decode at a 1,100-token context ran
     309.6 / 131.9 ms at width 128 and 265.2 / 118.0 ms at 96 with 16 / 4 rows (2026-12-06).
     Below 64 pages the step is mostly its matmuls at the batch sizes that take such widths."""
-    x2 = ladder(MIN_WIDTH, w_max, 2)
-    return sorted({*x2, *(w * 3 // 2 for w in x2 if w >= MID_WIDTH_FROM and w * 3 // 2 < w_max)})
+    return _with_mid_steps(ladder(MIN_WIDTH, w_max, 2), MID_WIDTH_FROM)
+
+
+def _with_mid_steps(x2: list[int], start: int) -> list[int]:
+    """An x2 ladder (ending at its max) and, from `start` on, the x1.5 step after each rung below the max."""
+    return sorted({*x2, *(v * 3 // 2 for v in x2 if v >= start and v * 3 // 2 < x2[-1])})
 
 
 def covering_set(members: list[Shape]) -> list[Shape]:

@@ -98,12 +98,14 @@ def test_a_decode_only_step_takes_the_rows_the_row_by_row_packing_takes():
         for _ in range(300):
             n = int(rng.integers(1, 3 * PDDJAX_TOML.max_rows))
             pending = [Row(int(rng.integers(0, w_max * 16))) for _ in range(n)]
-            args = (members, PDDJAX_TOML.pad_limit, pending, int(rng.choice([4, 256])), PDDJAX_TOML.max_rows,
-                    bool(rng.random() < 0.5), 16, lambda r: r.start)
-            fast = buckets._decode_step(*args[:1], *args[2:5], *args[6:])
+            step_tokens, max_rows, start_of = int(rng.choice([4, 256])), PDDJAX_TOML.max_rows, lambda r: r.start
+            args = (members, PDDJAX_TOML.pad_limit, pending, step_tokens, max_rows, bool(rng.random() < 0.5), 16,
+                    start_of)
+            fast = buckets._decode_step(members, pending, step_tokens, max_rows, 16, start_of)
             fell_back += fast is None
-            assert buckets.pack_rows(*args) == buckets._pack_rows(*args)
-            assert fast is None or (fast, False) == buckets._pack_rows(*args)
+            row_by_row = buckets._pack_rows(*args)
+            assert buckets.pack_rows(*args) == row_by_row
+            assert fast is None or (fast, False) == row_by_row
     assert 0 < fell_back < 900, fell_back
 
 
