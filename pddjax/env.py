@@ -132,6 +132,8 @@ MAX_WAITING = _knob("MAX_WAITING", "int", 256,
                     "requests an engine service queues waiting for KV pages at most; past it: refused")
 PUSH_STALL_SECONDS = _knob("PUSH_STALL_SECONDS", "seconds", 30.0,
                            "P gives up a KV push that made no progress for this long")
+KV_PUSH_STREAM = _knob("KV_PUSH_STREAM", "flag", True,
+                       "P pushes KV over one PushKVStream per decode instance (off: one PushKV call per push)")
 KV_LEASE_SECONDS = _knob("KV_LEASE_SECONDS", "seconds", 120.0,
                          "P frees a prefill's KV pages this long after the prefill if no target acknowledged")
 LEASE_SECONDS = _knob("LEASE_SECONDS", "seconds", 60.0,

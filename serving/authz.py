@@ -40,6 +40,7 @@ _TABLE = {
     "Release":       (_R,     _R,                   _R),
     "Reserve":       (_NONE,  _R,                   _R),
     "PushKV":        (_NONE,  frozenset({PREFILL}), frozenset({PREFILL})),
+    "PushKVStream":  (_NONE,  frozenset({PREFILL}), frozenset({PREFILL})),
     "Decode":        (_NONE,  _R,                   _R),
     "DecodeStream":  (_NONE,  _R,                   _R),
     "Handoff":       (_NONE,  _R,                   _NONE),

@@ -5,7 +5,8 @@ A request's life here:
                reserves pages for prompt + max_tokens; answers the cached token count.
   PushKV       chunks from P land in the pool as they arrive (P streams them while still
                prefilling); on the last one the known tokens (P's first token) are appended and
-               decoding starts (RLD; MD in pd-cross). The KVReceiver (kv_receiver.py).
+               decoding starts (RLD; MD in pd-cross). The KVReceiver (kv_receiver.py);
+               PushKVStream carries many requests' (P's one per instance; kv_stream.py).
   Decode       the stream of tokens this tier produces for the user, from `emit_from` on;
                DecodeStream carries many requests' (the router's; decode_stream.py).
   Handoff      (RLD) hand token IDs to MD: one-shot, or chunk by chunk while more than the
@@ -52,6 +53,7 @@ from serving.engine.grammars import compile_or_refuse
 from serving.engine.handoff import Handoff
 from serving.engine.info import match_prefix, service_info
 from serving.engine.kv_receiver import KVReceiver
+from serving.engine.kv_stream import KVStream
 from serving.engine.page_queue import REFUSED, PageQueue, refusal_status
 from serving.engine.probe import probe
 from serving.engine.slot import WAITING, RpcFailure, Slot, SlotTable
@@ -212,11 +214,19 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
     async def PushKV(self, request_iterator, context):
         return await self.kv.push(request_iterator, context)
 
+    async def PushKVStream(self, request_iterator, context):
+        """Many requests' PushKV on one (kv_stream.py): P's per decode instance."""
+        async for res in KVStream(self.kv).serve(request_iterator):
+            yield res
+
     async def Decode(self, request, context):
         slot = self.slots.get(request.request_id)
         if slot is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"request {request.request_id} is not reserved on {self.role}")
+        if slot.streams:  # one reader per slot: a second would wait forever for what the first takes
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request {request.request_id} already has an open Decode stream on {self.role}")
         slot.streams += 1
         try:
             held = None  # an item taken while merging that belongs to the next message

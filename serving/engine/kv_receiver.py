@@ -126,6 +126,11 @@ class KVReceiver:
                                               f"({type(e).__name__})", context)
         await context.abort(grpc.StatusCode.DATA_LOSS, f"KV stream for {rid} ended before its last chunk")
 
+    async def fail(self, rid: str, code: grpc.StatusCode, message: str) -> None:
+        """Fail `rid`'s reservation (its pages freed, its Decode stream ended with `code`), if open."""
+        if rid in self.slots:
+            await self.worker.call(self.slots.fail, rid, code, message)
+
     def _assembler(self, rid: str) -> Assembler:
         """The checks of one stream: this model's layout, and the tokens `rid`'s reservation holds
         (read once, from the loop: a sequence's token count only grows on the engine thread)."""

@@ -32,6 +32,7 @@ from pddjax.kv.page_table import pages_needed
 from serving import authz, kvwire, rpc
 from serving.engine.grammars import compile_or_refuse
 from serving.engine.info import match_prefix, service_info
+from serving.engine.kv_link import KVLink
 from serving.engine.page_queue import REFUSED, PageQueue, refusal_status
 from serving.engine.worker import EngineWorker, fail, resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc
@@ -53,6 +54,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         self.pushes: dict[str, list[asyncio.Task]] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.stubs: dict[str, cluster_pb2_grpc.DecodeStub] = {}  # per target address (made once: a callable per method)
+        self.links: dict[str, KVLink] = {}  # per target address: the PushKVStream its pushes share
         self.worker: EngineWorker | None = None
         self.pages: PageQueue | None = None
 
@@ -191,28 +193,46 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         chunker = kvwire.Chunker(rid, start, end, chunk_bytes, target.kv_wire or "native", self.engine.config.page_size,
                                  self.engine.config.tensor_parallel)  # a TP pool sends each shard's heads
         native = chunker.format.name == "native"  # raw copies; the others encode off the event loop
-
-        clock = _PushClock()
         waited = [0.0]  # seconds the push waited on P's own prefill (not the link)
 
-        async def stream():
+        async def stream(clock=None):
             while chunker.next_pos < end:
-                clock.waiting = True  # on this P's own prefill: not a stall of the link
+                if clock is not None:
+                    clock.waiting = True  # on this P's own prefill: not a stall of the link
                 w0 = time.perf_counter()
                 run, first, first_lp = await q.get()
                 waited[0] += time.perf_counter() - w0
-                clock.touch()
+                if clock is not None:
+                    clock.touch()
                 known = [first] if first is not None and target.include_first_token else []
                 known_lp = [first_lp] if known and first_lp is not None else []
                 feed = (run, known, known_lp)
                 for c in chunker.feed(*feed) if native else await asyncio.to_thread(chunker.feed, *feed):
                     yield c
-                    clock.touch()  # the transport took the chunk
+                    if clock is not None:
+                        clock.touch()  # the transport took the chunk
 
         t0 = time.perf_counter()
         done = cluster_pb2.TransferDone(role=target.role, tokens=end - start)
-        call = stub.PushKV(stream())
         stall_s = env.PUSH_STALL_SECONDS.get()
+        if env.KV_PUSH_STREAM.get():  # the shared PushKVStream to this address (kv_link.py)
+            link = self.links.get(target.address)
+            if link is None:
+                link = self.links[target.address] = KVLink(stub, target.address)
+            res = await link.push(rid, stream(), stall_s)
+            done.code, done.error = res.code, res.error
+        else:  # one PushKV call of its own
+            await self._push_call(stub, target, stream, stall_s, done)
+        done.bytes, done.chunks, done.ms = chunker.bytes, chunker.seq, 1e3 * (time.perf_counter() - t0)
+        done.native_bytes = chunker.native_bytes
+        done.wire_ms = max(0.0, done.ms - 1e3 * waited[0])
+        return done
+
+    @staticmethod
+    async def _push_call(stub, target, stream, stall_s: float, done: cluster_pb2.TransferDone) -> None:
+        """The push as one PushKV call, cancelled after `stall_s` without progress."""
+        clock = _PushClock()
+        call = stub.PushKV(stream(clock))
         watch = asyncio.create_task(clock.watch(call, stall_s))
         try:
             await call
@@ -227,10 +247,6 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
                 raise
         finally:
             watch.cancel()
-        done.bytes, done.chunks, done.ms = chunker.bytes, chunker.seq, 1e3 * (time.perf_counter() - t0)
-        done.native_bytes = chunker.native_bytes
-        done.wire_ms = max(0.0, done.ms - 1e3 * waited[0])
-        return done
 
     async def Release(self, request, context):
         """Idempotent; stops the request's pushes and frees its pages. A late one finds nothing."""

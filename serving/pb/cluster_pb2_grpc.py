@@ -255,6 +255,11 @@ class DecodeStub:
                 request_serializer=pddjax_dot_v1_dot_cluster__pb2.KVChunk.SerializeToString,
                 response_deserializer=pddjax_dot_v1_dot_cluster__pb2.PushKVResponse.FromString,
                 _registered_method=True)
+        self.PushKVStream = channel.stream_stream(
+                '/pddjax.v1.Decode/PushKVStream',
+                request_serializer=pddjax_dot_v1_dot_cluster__pb2.KVStreamRequest.SerializeToString,
+                response_deserializer=pddjax_dot_v1_dot_cluster__pb2.KVStreamResult.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/pddjax.v1.Decode/Decode',
                 request_serializer=pddjax_dot_v1_dot_cluster__pb2.DecodeRequest.SerializeToString,
@@ -315,6 +320,14 @@ class DecodeServicer:
 
     def PushKV(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKVStream(self, request_iterator, context):
+        """Many requests' PushKV on one: P's one stream per decode instance (serving/engine/kv_stream.py,
+        serving/engine/kv_link.py); requests' chunks interleave, each request gets its own result
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -390,6 +403,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=pddjax_dot_v1_dot_cluster__pb2.KVChunk.FromString,
                     response_serializer=pddjax_dot_v1_dot_cluster__pb2.PushKVResponse.SerializeToString,
+            ),
+            'PushKVStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushKVStream,
+                    request_deserializer=pddjax_dot_v1_dot_cluster__pb2.KVStreamRequest.FromString,
+                    response_serializer=pddjax_dot_v1_dot_cluster__pb2.KVStreamResult.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -535,6 +553,33 @@ class Decode:
             '/pddjax.v1.Decode/PushKV',
             pddjax_dot_v1_dot_cluster__pb2.KVChunk.SerializeToString,
             pddjax_dot_v1_dot_cluster__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKVStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pddjax.v1.Decode/PushKVStream',
+            pddjax_dot_v1_dot_cluster__pb2.KVStreamRequest.SerializeToString,
+            pddjax_dot_v1_dot_cluster__pb2.KVStreamResult.FromString,
             options,
             channel_credentials,
             insecure,

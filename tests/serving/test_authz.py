@@ -68,6 +68,15 @@ async def outcome(call) -> tuple[grpc.StatusCode, str]:
         return e.code(), e.details()
 
 
+async def stream_outcome(call) -> tuple[grpc.StatusCode, str]:
+    try:
+        async for _ in call:
+            pass
+        return OK, ""
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details()
+
+
 def test_the_table_names_every_rpc_of_every_engine_service():
     """An RPC added without a row would be refused to everyone under TLS; a row naming no RPC is a typo."""
     for role in ("prefill", "relay", "main"):
@@ -75,6 +84,7 @@ def test_the_table_names_every_rpc_of_every_engine_service():
         assert set(authz.ALLOWED[role]) <= methods, role
     assert set(authz._TABLE) == {m.name for r in ("prefill", "main") for m in SERVICES[r].methods}
     assert authz.callers("main", "/pddjax.v1.Decode/PushKV") == {"prefill"}
+    assert authz.callers("relay", "/pddjax.v1.Decode/PushKVStream") == {"prefill"}
     assert authz.callers("main", "/pddjax.v1.Decode/HandoffTokens") == {"relay", "router"}
     assert authz.callers("relay", "/pddjax.v1.Decode/HandoffTokens") == set()
     assert authz.callers("relay", "/pddjax.v1.Decode/Hold") == {"router"}  # the router pauses RLD, no one else
@@ -118,6 +128,9 @@ def test_main_serves_each_rpc_only_to_its_roles(tls_env, tiny):
             for who in ("router", "relay"):  # forged KV into MD's pool (and its shared prefix cache)
                 got[f"pushkv.{who}"] = await outcome(stub(who).PushKV(_aiter(chunks("r1", run, 0, [], 4096)),
                                                                       timeout=30))
+            for who in ("router", "relay", "prefill"):  # the shared stream: a cancel of nothing, then the end
+                got[f"pushkvstream.{who}"] = await stream_outcome(stub(who).PushKVStream(
+                    _aiter([cluster_pb2.KVStreamRequest(cancel="nobody")]), timeout=30))
             push = stub("prefill").PushKV(_aiter(chunks("r1", run, 0, [], 4096)), timeout=60)
             got["pushkv.prefill"] = await outcome(push)
             imported = (await push).tokens_imported
@@ -148,6 +161,9 @@ def test_main_serves_each_rpc_only_to_its_roles(tls_env, tiny):
     assert got["decode.prefill"] == (DENIED, "the prefill identity may not call Decode on main (only router may)")
     assert got["pushkv.router"] == (DENIED, "the router identity may not call PushKV on main (only prefill may)")
     assert got["pushkv.relay"][0] == DENIED
+    assert got["pushkvstream.router"] == (
+        DENIED, "the router identity may not call PushKVStream on main (only prefill may)")
+    assert got["pushkvstream.relay"][0] == DENIED and got["pushkvstream.prefill"] == (OK, "")
     assert got["pushkv.prefill"] == (OK, "") and imported == len(prompt)  # r1 was still reserved: no Release got in
     assert got["handoff_tokens.relay"][0] == got["handoff_tokens.router"][0] == grpc.StatusCode.NOT_FOUND
     assert got["handoff_tokens.prefill"] == (

@@ -5,8 +5,9 @@ A script is (spec, [(step, pause s)]); a step is a tuple naming the RPC and its 
 (`step_call` turns it into (service, method, message)). Steps: reserve on RLD or MD (the
 spec, or another one), prefill on P (targets among RLD and MD with fuzzed start, role and
 first-token flag, chunk size), decode, handoff (RLD to MD, or to itself), handoff tokens,
-push (junk KV chunks), hold (pause / resume), release (cache, cancel), info. Placeholders ("@0", "@main", ...) as in
-tests/support/fuzz_messages.py. PD_LOCAL, PD_CROSS and PDD are the router's own flows, as scripts.
+push (junk KV chunks, on a PushKV or a PushKVStream), hold (pause / resume), release (cache,
+cancel), info. Placeholders ("@0", "@main", ...) as in tests/support/fuzz_messages.py.
+PD_LOCAL, PD_CROSS and PDD are the router's own flows, as scripts.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ steps = st.one_of(
     st.tuples(st.just("tokens"), tiers, rids, st.one_of(st.integers(0, 12), u32), token_lists, st.booleans(),
               st.one_of(st.integers(0, 3), u32)),
     st.tuples(st.just("push"), tiers, st.lists(message(cluster_pb2.KVChunk.DESCRIPTOR), max_size=3)),
+    st.tuples(st.just("pushstream"), tiers, st.lists(message(cluster_pb2.KVStreamRequest.DESCRIPTOR), max_size=4)),
     st.tuples(st.just("hold"), tiers, rids, st.booleans()),
     st.tuples(st.just("release"), st.sampled_from(ROLES), rids, st.booleans(), st.booleans()),
     st.tuples(st.just("info"), st.sampled_from(ROLES)))
@@ -81,6 +83,8 @@ def step_call(spec, step) -> tuple[str, str, object]:
             request_id=rid, start_position=start, token_ids=toks, final=final, chunk_seq=chunk_seq)
     if kind == "push":
         return a[0], "PushKV", a[1]
+    if kind == "pushstream":
+        return a[0], "PushKVStream", a[1]
     if kind == "hold":
         role, rid, on = a
         return role, "Hold", cluster_pb2.HoldRequest(request_id=rid, hold=on)

@@ -267,3 +267,30 @@ def test_only_a_slot_still_waiting_for_its_kv_is_dropped_with_its_stream_open(ti
             svc.worker.stop()
 
     asyncio.run(main())
+
+
+def test_a_second_decode_stream_on_a_slot_is_refused_and_the_first_still_ends(tiny):
+    """One reader per slot: a second Decode call while the first is open is ALREADY_EXISTS (it
+    would wait forever for the items the first takes); the first ends on the Release."""
+    from tests.support.inprocess import Refused
+
+    async def main():
+        svc = DecodeService("relay", engine(tiny), tiny.config, {})
+        svc.start(asyncio.get_running_loop())
+        try:
+            spec = cluster_pb2.SequenceSpec(request_id="r", prompt=list(range(3, 23)), max_tokens=4,
+                                            sampling=rpc.sampling_to_pb(SamplingParams()))
+            await svc.Reserve(cluster_pb2.ReserveRequest(spec=spec, use_cache=False), Ctx())
+            first = svc.Decode(cluster_pb2.DecodeRequest(request_id="r"), Ctx())
+            reading = asyncio.ensure_future(first.__anext__())
+            await asyncio.sleep(0.05)
+            with pytest.raises(Refused) as second:
+                await asyncio.wait_for(svc.Decode(cluster_pb2.DecodeRequest(request_id="r"), Ctx()).__anext__(), 5)
+            await svc.Release(cluster_pb2.ReleaseRequest(request_id="r", cancel=True), Ctx())
+            return second.value, await asyncio.wait_for(reading, 5)
+        finally:
+            svc.worker.stop()
+
+    second, ended = asyncio.run(main())
+    assert second.code == grpc.StatusCode.ALREADY_EXISTS and "already has an open Decode stream" in second.message
+    assert ended.finish_reason == rpc.FINISH["cancelled"]
