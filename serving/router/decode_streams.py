@@ -32,6 +32,7 @@ class Subscription:
         self.mux, self.rid, self.q, self.who, self.on_error = mux, rid, q, who, on_error
         self.seen: list[int] = []  # tokens forwarded (on_error's argument)
         self.ended = False
+        self.finished = False  # the service sent the request's finish: it closed and freed the request itself
         self.task: asyncio.Task | None = None  # on_error's, when the stream failed
 
     def cancel(self) -> None:
@@ -53,7 +54,7 @@ class Subscription:
         self.q.put_nowait(batch)
         self.seen += batch.token_ids
         if batch.finish_reason or batch.handed_off:
-            self.ended = True
+            self.ended, self.finished = True, bool(batch.finish_reason)
             self.mux.forget(self)
 
     def fail(self, err: Abort) -> None:

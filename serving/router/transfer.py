@@ -13,7 +13,8 @@ estimates, the counters and the metrics):
     finishes or pd-cross fails), MD's KV landing -> RLD's `_handoff` (pdd), a P that fails
     mid-request replaced and only the KV that has not arrived pushed again;
   - `release`: every tier the request touched (but those that freed it themselves,
-    `Request.freed`: a P whose Prefill call ended OK, RLD released at the switch), after (if
+    `Request.freed`: a P whose Prefill call ended OK, RLD released at the switch; and a tier
+    whose stream brought the request's finish), after (if
     the user's stream already ended) the push that still fills MD's DRC, with the link booking
     settled;
   - `sync_main`: a filtered turn's context pushed to MD afterwards, one sync at a time.
@@ -168,7 +169,8 @@ class Transfers:
     async def release(self, r: Request, pending: asyncio.Task | None = None) -> None:
         """Releases every tier `r` touched (idempotent on theirs), after `pending` (P's push still
         filling MD's DRC) finished or `background_timeout_s` passed. A P whose Prefill call ended
-        OK is not asked: its handler freed the request when the call ended (one RPC less per request)."""
+        OK is not asked: its handler freed the request when the call ended (one RPC less per request);
+        nor is a tier that sent the request's finish (it closed its slot and freed the sequence then)."""
         if pending is not None:
             try:
                 await asyncio.wait_for(pending, timeout=self.background_timeout_s)
@@ -178,7 +180,9 @@ class Transfers:
             r.link.done(r.planned, 0, 0.0, ok=False)
             r.link = None
         req = cluster_pb2.ReleaseRequest(request_id=r.rid, cache=True, cancel=True)
-        insts = [i for i in r.touched() if i not in r.freed]  # RLD freed at the switch, P when its call ended OK
+        done_at = [t.mux.inst for t in r.tasks if isinstance(t, decode_streams.Subscription) and t.finished]
+        insts = [i for i in r.touched() if i not in r.freed and i not in done_at]  # freed by themselves: RLD at
+        # the switch, P when its call ended OK, a tier that finished the request (it closed and freed it)
         await asyncio.gather(*(pools.stub(i).Release(req) for i in insts), return_exceptions=True)
 
     async def sync_main(self, r: Request) -> None:

@@ -1,6 +1,7 @@
 """The router's per-request RPCs against in-process fake stubs (no service, no engine): P's and
 MD's MatchPrefix run at once, an auto pdd reserves RLD beside MD while an explicit pdd keeps MD
-first, and P gets no Release after its Prefill call ended OK (but does after it failed)."""
+first, and P gets no Release after its Prefill call ended OK (but does after it failed), nor does a
+tier whose stream brought the request's finish."""
 
 from __future__ import annotations
 
@@ -188,3 +189,40 @@ def test_p_is_released_only_if_its_prefill_call_did_not_end_ok():
             assert released == (["RLD0"] if error is None else ["P0", "RLD0"]), (error, released)
             assert r.freed == ([r.prefill] if error is None else [])
     asyncio.run(main())
+
+
+class FakeMux:
+    def __init__(self, inst):
+        self.inst = inst
+
+    def forget(self, sub) -> None:
+        pass
+
+    def unsubscribe(self, sub) -> None:
+        pass
+
+
+def test_a_tier_whose_stream_brought_the_finish_gets_no_release():
+    """RLD sent the request's finish: it closed and freed the request itself, so the router sends
+    it no Release (one RPC less per request); a stream that ended without a finish (the router
+    stopped it: a stop string, a cancel) is released."""
+    from serving.router import decode_streams
+
+    async def main():
+        out = {}
+        for finish in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_UNSPECIFIED):
+            log, _, chooser, transfers = setup()
+            r = await planned(chooser, common_pb2.PIPELINE_PD_LOCAL)
+            await chooser.reserve(r)
+            sub = decode_streams.Subscription(FakeMux(r.relay), r.rid, asyncio.Queue(), "relay")
+            r.tasks.append(sub)
+            sub.deliver(cluster_pb2.RequestTokens(request_id=r.rid, batch=cluster_pb2.TokenBatch(
+                start_position=0, token_ids=[5, 6], finish_reason=finish)))
+            r.freed.append(r.prefill)  # its Prefill call ended OK
+            del log[:]
+            await transfers.release(r)
+            out[finish] = sorted(name for name, method, at in log if method == "Release" and at == "start")
+        return out
+
+    out = asyncio.run(main())
+    assert out == {common_pb2.FINISH_REASON_LENGTH: [], common_pb2.FINISH_REASON_UNSPECIFIED: ["RLD0"]}
