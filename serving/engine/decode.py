@@ -81,6 +81,8 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         self.handoff: Handoff | None = None
         self.pages: PageQueue | None = None
         self._lease_task: asyncio.Task | None = None
+        self.persistent: set = set()  # open PushKVStreams (KVStream) and DecodeStreams (Sink)
+        self.draining = False
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.worker = EngineWorker(self.engine, loop, self._on_step, name=f"engine-{self.role}")
@@ -216,7 +218,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     async def PushKVStream(self, request_iterator, context):
         """Many requests' PushKV on one (kv_stream.py): P's per decode instance."""
-        async for res in KVStream(self.kv).serve(request_iterator):
+        async for res in self._persistent(KVStream(self.kv), request_iterator):
             yield res
 
     async def Decode(self, request, context):
@@ -243,8 +245,26 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     async def DecodeStream(self, request_iterator, context):
         """Many requests' Decode streams on one (decode_stream.py): the router's per instance."""
-        async for msg in decode_stream.serve(decode_stream.Sink(self.slots, self.role), request_iterator):
+        async for msg in self._persistent(decode_stream.Sink(self.slots, self.role), request_iterator):
             yield msg
+
+    async def _persistent(self, stream, request_iterator):
+        """A stream its caller keeps open across requests: while the service drains, it ends as
+        soon as nothing of it is in flight (the drain waits for in-flight RPCs, not idle streams)."""
+        self.persistent.add(stream)
+        if self.draining:
+            stream.drain()
+        try:
+            async for msg in stream.serve(request_iterator):
+                yield msg
+        finally:
+            self.persistent.discard(stream)
+
+    def drain(self) -> None:
+        """SIGTERM (serving/stack/server.py): the persistent streams end once idle."""
+        self.draining = True
+        for stream in list(self.persistent):
+            stream.drain()
 
     async def Handoff(self, request, context):
         return await self.handoff.handoff(request, context)

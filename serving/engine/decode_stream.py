@@ -39,6 +39,7 @@ class Sink:
         self.items: list[cluster_pb2.RequestTokens] = []  # ready, in arrival order
         self._open: dict[str, cluster_pb2.RequestTokens] = {}  # a request's last ready batch (merging)
         self.ready = asyncio.Event()
+        self.draining = False  # the service drains: the stream ends once no subscription is left
 
     def subscribe(self, rid: str) -> None:
         slot = self.slots.get(rid)
@@ -99,6 +100,14 @@ class Sink:
         for rid in list(self.subscribed):
             self.unsubscribe(rid)
 
+    def drain(self) -> None:
+        self.draining = True
+        self.ready.set()
+
+    async def serve(self, request_iterator):
+        async for msg in serve(self, request_iterator):
+            yield msg
+
 
 def _continues(last: cluster_pb2.TokenBatch, item: cluster_pb2.TokenBatch) -> bool:
     """`item` may join `last` in one batch: it follows it, and neither ends the stream by a
@@ -109,7 +118,8 @@ def _continues(last: cluster_pb2.TokenBatch, item: cluster_pb2.TokenBatch) -> bo
 
 async def serve(sink: Sink, request_iterator):
     """The DecodeStream handler's responses: subscriptions read concurrently; returns once the
-    caller stopped writing and no subscription is left, raises what reading raised."""
+    caller stopped writing (or the service drains) and no subscription is left, raises what
+    reading raised."""
     reader = asyncio.create_task(_read(sink, request_iterator))
     try:
         while True:
@@ -119,6 +129,8 @@ async def serve(sink: Sink, request_iterator):
                         raise reader.exception()
                     if not sink.subscribed:
                         return
+                if sink.draining and not sink.subscribed:
+                    return
                 sink.ready.clear()
                 await sink.ready.wait()
                 continue

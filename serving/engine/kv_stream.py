@@ -15,6 +15,9 @@ cancelled); either way their reservations wait for a replacement P. A message th
 from any request's chunk: the stream ends INVALID_ARGUMENT and fails every reservation that had
 a push open on it.
 
+While the service drains, a new push is refused UNAVAILABLE (as a new PushKV call would be) and
+the stream ends once no push is open on it.
+
 A request's chunks wait in a feed of at most FEED_CHUNKS; a full feed stops the stream's reader
 until its push takes one (flow control back to P, as one call's window would).
 """
@@ -95,6 +98,8 @@ class KVStream:
         self.results: asyncio.Queue = asyncio.Queue()  # KVStreamResult, or None: the stream is done
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # the latest ENDED_KEPT
         self.reading = True
+        self.draining = False  # the service drains: no new push; the stream ends once none is open
+        self._done = False
 
     async def serve(self, request_iterator):
         reader = asyncio.create_task(self._read(request_iterator))
@@ -104,7 +109,12 @@ class KVStream:
                 if res is None:
                     break
                 yield res
-            await reader  # raises what reading raised (a malformed message: INVALID_ARGUMENT)
+            while not self.results.empty():  # refusals queued behind the end
+                res = self.results.get_nowait()
+                if res is not None:
+                    yield res
+            if reader.done():
+                await reader  # raises what reading raised (a malformed message: INVALID_ARGUMENT)
         finally:
             reader.cancel()
             for _, task in list(self.pushes.values()):
@@ -119,6 +129,12 @@ class KVStream:
                     if rid not in self.pushes:
                         if rid in self.ended and msg.chunk.seq != 0:
                             continue  # the rest of a push that ended (answered): as a call that answered
+                        if self.draining:  # as a new PushKV call would be refused
+                            self._end(rid)
+                            self.results.put_nowait(cluster_pb2.KVStreamResult(
+                                request_id=rid, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                error=f"{self.receiver.role} is draining"))
+                            continue
                         self._start(rid)
                     await self.pushes[rid][0].put(msg.chunk)
                 elif kind == "cancel":
@@ -151,10 +167,7 @@ class KVStream:
             feed.end()
             if self.pushes.get(rid, (None,))[0] is feed:
                 del self.pushes[rid]
-            self.ended[rid] = None
-            self.ended.move_to_end(rid)
-            if len(self.ended) > ENDED_KEPT:
-                self.ended.popitem(last=False)
+            self._end(rid)
         if res is not None:
             self.results.put_nowait(res)
         self._maybe_done()
@@ -165,6 +178,17 @@ class KVStream:
             feed.end()
             await self.receiver.fail(rid, grpc.StatusCode.INVALID_ARGUMENT, f"{why} (request {rid})")
 
+    def _end(self, rid: str) -> None:
+        self.ended[rid] = None
+        self.ended.move_to_end(rid)
+        if len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
+
+    def drain(self) -> None:
+        self.draining = True
+        self._maybe_done()
+
     def _maybe_done(self) -> None:
-        if not self.reading and not self.pushes:
+        if (not self.reading or self.draining) and not self.pushes and not self._done:
+            self._done = True
             self.results.put_nowait(None)

@@ -298,6 +298,8 @@ async def serve(cfg: ServiceConfig, ready_file: str | None = None, openai: dict 
     print(f"pddjax {cfg.role} serving on {address}", flush=True)
     await stop.wait()
     gate.drain()  # new RPCs: UNAVAILABLE; in-flight ones finish
+    if hasattr(servicer, "drain"):
+        servicer.drain()  # streams kept open across requests end once idle
     await rpc.set_serving(hs, names, False)
     await gate.wait_idle(DRAIN_SECONDS)
     if gateway is not None:  # its requests drained with the RPCs (the Gate refuses new ones: 503)

@@ -168,3 +168,35 @@ def test_a_broken_stream_fails_each_request_through_on_error_and_the_next_opens_
         await inst.channel.close()
         await server.stop(None)
     asyncio.run(main())
+
+
+def test_a_draining_stream_ends_once_its_last_subscription_ends():
+    """The service drains (SIGTERM) while the router keeps its stream open: the stream serves its
+    subscription to the end, then returns, so an idle stream does not hold the drain."""
+    async def main():
+        a = Slot("a", asyncio.Queue())
+        sink, forever = decode_stream.Sink(Table(a=a), "relay"), asyncio.Event()
+
+        async def requests():
+            yield cluster_pb2.DecodeStreamRequest(subscribe=["a"])
+            await forever.wait()  # the router never stops writing
+
+        got = []
+
+        async def read():
+            async for msg in sink.serve(requests()):
+                got.extend((i.request_id, list(i.batch.token_ids)) for i in msg.items)
+
+        reading = asyncio.create_task(read())
+        await asyncio.sleep(0.05)
+        sink.drain()
+        _deliver(a, batch(0, [5]))
+        await asyncio.sleep(0.05)
+        open_while_subscribed = not reading.done()
+        _deliver(a, batch(1, [6], finish=1))
+        await asyncio.wait_for(reading, 5)
+        return open_while_subscribed, got
+
+    open_while_subscribed, got = asyncio.run(main())
+    assert open_while_subscribed
+    assert got == [("a", [5]), ("a", [6])]

@@ -251,3 +251,43 @@ def test_a_full_feed_holds_the_reader_until_its_push_takes_a_chunk():
     held, first, rest, left = asyncio.run(main())
     assert held and first == 0
     assert rest == [*range(1, kv_stream.FEED_CHUNKS), "next"] and left == []
+
+
+def test_while_the_service_drains_a_new_push_is_refused_and_the_stream_ends_once_idle(tiny):
+    """r0's push is open when the service drains: r1's first chunk is answered UNAVAILABLE, r0
+    completes, and the stream then ends although P keeps it open (the drain waits for in-flight
+    RPCs: an idle stream must not hold it)."""
+    prompts = _prompts(2)
+    runs = prefill_runs(tiny, prompts, GREEDY)
+    c0, c1 = (chunks(rid, runs[rid], 0, [], 1024) for rid in prompts)
+
+    async def main():
+        async with _service(tiny, "main") as svc:
+            for rid, p in prompts.items():
+                await _reserve(svc, rid, p)
+            drained, forever = asyncio.Event(), asyncio.Event()
+
+            async def messages():
+                yield cluster_pb2.KVStreamRequest(chunk=c0[0])
+                await drained.wait()
+                yield cluster_pb2.KVStreamRequest(chunk=c1[0])
+                for c in c0[1:]:
+                    yield cluster_pb2.KVStreamRequest(chunk=c)
+                await forever.wait()  # P keeps its stream open
+
+            got = []
+
+            async def read():
+                async for res in svc.PushKVStream(messages(), Ctx()):
+                    got.append(res)
+
+            reading = asyncio.create_task(read())
+            await asyncio.sleep(0.2)
+            svc.drain()
+            drained.set()
+            await asyncio.wait_for(reading, 10)  # ended by the drain, not by P
+            return got, await svc.worker.call(lambda e: e.seqs["r0"].pages.num_tokens)
+
+    got, r0_tokens = asyncio.run(main())
+    assert [(r.request_id, r.code) for r in got] == [("r1", grpc.StatusCode.UNAVAILABLE.value[0]), ("r0", 0)]
+    assert "draining" in got[0].error and r0_tokens == len(prompts["r0"])

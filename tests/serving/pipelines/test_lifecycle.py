@@ -33,6 +33,7 @@ from serving.client import Client, RouterError, make_request
 from serving.gate import Gate, gated_servicer
 from serving.metrics import ServiceMetrics
 from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
+from serving.stack import server
 from tests.support.paths import ROOT
 from tests.support.serving_stack import Stack
 from tests.support.stack_checks import assert_idle
@@ -263,6 +264,7 @@ def test_relay_drain_finishes_the_stream_frees_its_pages_and_exits(drain_stack, 
                 assert time.monotonic() < deadline, "RLD still holds pages after the stream ended"
                 time.sleep(0.1)
             assert relay.proc.poll() is None  # still draining: the held call is in flight
+            released_at = time.monotonic()
             release_hold.set()
             with pytest.raises(grpc.RpcError):  # an empty KV stream: refused, and the drain completes
                 held.result(30)
@@ -270,6 +272,8 @@ def test_relay_drain_finishes_the_stream_frees_its_pages_and_exits(drain_stack, 
         release_hold.set()
         rch.close()
     assert relay.proc.wait(timeout=60) == 0
+    # P's PushKVStream to RLD stays open between requests: idle, it must not hold the drain
+    assert time.monotonic() - released_at < server.DRAIN_SECONDS / 2
     info = p.Info(cluster_pb2.InfoRequest(), timeout=10)
     pch.close()
     assert (info.requests, info.pages_active) == (0, 0)
