@@ -31,20 +31,18 @@ handoff are kept until the final chunk confirms them; tokens that disagree with 
 heterogeneous pair) are rolled back and recomputed: the user's stream is RLD's up to N.
 A request's state is a Slot in the service's SlotTable (slot.py: a SlotState, moved only as
 its LEGAL_TRANSITIONS allow); this file holds the service, which owns the table, the KV
-receiver and the handoff, and answers Reserve, Decode and Release itself, with the leases and
-the engine step's hook.
+receiver, the handoff and the leases (leases.py), and answers Reserve, Decode and Release
+itself, with the engine step's hook.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 
-from pddjax import env
 from pddjax.kv.allocator import OutOfPages
 from pddjax.kv.page_table import pages_needed
 from serving import rpc
@@ -54,18 +52,16 @@ from serving.engine.handoff import Handoff
 from serving.engine.info import match_prefix, service_info
 from serving.engine.kv_receiver import KVReceiver
 from serving.engine.kv_stream import KVStream
+from serving.engine.leases import Leases
 from serving.engine.page_queue import REFUSED, PageQueue, refusal_status
 from serving.engine.probe import probe
-from serving.engine.slot import WAITING, RpcFailure, Slot, SlotTable
+from serving.engine.slot import RpcFailure, Slot, SlotTable
 from serving.engine.worker import EngineWorker, resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
 
 if TYPE_CHECKING:
     from pddjax.engines.paged_engine import PagedEngine
     from pddjax.model.config import ModelConfig
-
-LINGER_LEASES = 3  # a slot alive this many leases is logged once with its state
-
 
 class DecodeService(cluster_pb2_grpc.DecodeServicer):
     """`role` is "relay" (RLD) or "main" (MD); `info` the static ServiceInfo fields;
@@ -91,50 +87,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         self.kv = KVReceiver(self.role, self.engine.fingerprint, self.worker, self.slots, self.cfg.vocab_size)
         self.handoff = Handoff(self.role, self.worker, self.slots, self.cfg.vocab_size, self.handoff_peers)
         self.worker.faults.on_fault = self._step_failed
-        self._lease_task = loop.create_task(self._expire_leases())
-
-    async def _expire_leases(self) -> None:
-        while True:
-            # the leases of the module docstring (pddjax.env: P or a router gone must not pin pages)
-            lease_s, kv_wait_s = env.LEASE_SECONDS.get(), env.KV_WAIT_SECONDS.get()
-            await asyncio.sleep(min(5.0, lease_s / 4, kv_wait_s / 4))
-            now = time.monotonic()
-            for slot in self.slots:
-                try:
-                    await self._check_lease(slot, now, lease_s, kv_wait_s)
-                except Exception as exc:  # noqa: BLE001  (one slot's failure never ends the other leases)
-                    print(f"{self.role}: the lease check of {slot.request_id} failed ({type(exc).__name__}: "
-                          f"{str(exc)[:160]})", file=sys.stderr, flush=True)
-
-    async def _check_lease(self, slot: Slot, now: float, lease_s: float, kv_wait_s: float) -> None:
-        """One slot's lease: expired, its KV overdue, or logged once when it lingers."""
-        idle = now - slot.touched
-        if not slot.closed and slot.streams == 0 and idle > lease_s:
-            failure = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 f"the reservation of {slot.request_id} on {self.role} expired "
-                                 f"after {lease_s:.0f} s without traffic")
-            await self.worker.call(self._expire, slot, failure)
-        elif slot.state in WAITING and idle > kv_wait_s:
-            # an open stream keeps a reservation, but not one whose KV (or handoff) never comes
-            failure = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 f"no KV for {slot.request_id} reached {self.role} within "
-                                 f"{kv_wait_s:.0f} s; its reservation is dropped")
-            await self.worker.call(self._expire, slot, failure)
-        elif not slot.closed and not slot.reported and now - slot.born > LINGER_LEASES * lease_s:
-            slot.reported = True  # legitimate for a long generation; a leak shows up here first
-            print(f"{self.role}: {slot.request_id} alive {now - slot.born:.0f} s "
-                  f"({await self.worker.call(_describe, slot)})", file=sys.stderr, flush=True)
-
-    def _expire(self, e, slot: Slot, failure: RpcFailure) -> None:
-        """Engine thread: an expired reservation ends with `failure` and frees its pages. Should the
-        close raise, the engine's sequence is released once more here (the slot has left the table:
-        SlotTable.close), and the exception goes on to the lease loop's log line."""
-        try:
-            self.slots.close(slot, failure, cache=False)
-        finally:
-            rid, owner = slot.request_id, self.slots.get(slot.request_id)
-            if slot.closed and rid in e.seqs and (owner is None or owner is slot):
-                e.release(rid, cache=False)
+        self._lease_task = loop.create_task(Leases(self.role, self.worker, self.slots).run())
 
     def _on_step(self, events) -> None:
         """Engine thread: a step's tokens to their streams; HandoffTokens waiting for MD to catch up wake."""
@@ -305,16 +258,6 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     async def Probe(self, request, context):
         return await probe(request, context)
-
-
-def _describe(e, slot: Slot) -> str:
-    """Engine thread: one line of a slot's state (diagnostics of a request that lingers)."""
-    seq = e.seqs.get(slot.request_id)
-    state = "no sequence" if seq is None else (
-        f"paused={seq.paused} kv={seq.pages.num_tokens}/{len(seq.prompt)} generated={len(seq.generated)} "
-        f"pending={seq.num_pending} finish={seq.finish_reason}")
-    return (f"state={slot.state.name} streams={slot.streams} emit_from={slot.emit_from} "
-            f"idle {time.monotonic() - slot.touched:.0f} s; {state}")
 
 
 def _merge_ready(item, out: asyncio.Queue):

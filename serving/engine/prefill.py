@@ -9,10 +9,11 @@ first token rides on the last chunk, and P's prefix cache gets the prompt at onc
 response stream reports `prefilled` and one `transfer_done` per target (with its error code).
 Each target's KV is encoded in the wire format the router chose for it (`KVTarget.kv_wire`:
 native, bf16, int8, fp8, +zstd; pddjax.kv.codec) as its chunks are cut, off the event loop;
-`transfer_done.bytes` counts the encoded bytes, `native_bytes` the canonical ones.
+`transfer_done.bytes` counts the encoded bytes, `native_bytes` the canonical ones. Each push
+(one request to one target) is a KVPusher's (kv_push.py).
 
 KV lease: P holds a finished prefill's pages for its targets until each acknowledges the
-import (its PushKV answers after the last chunk landed) or fails, or PDDJAX_KV_LEASE_SECONDS
+import (its push is answered after the last chunk landed) or fails, or PDDJAX_KV_LEASE_SECONDS
 pass after the prefill: then P frees them and cancels what is
 left (DEADLINE_EXCEEDED). A cancel or Release frees at once; a late acknowledgement finds no
 call to answer, a late Release finds nothing (found=False).
@@ -32,7 +33,7 @@ from pddjax.kv.page_table import pages_needed
 from serving import authz, kvwire, rpc
 from serving.engine.grammars import compile_or_refuse
 from serving.engine.info import match_prefix, service_info
-from serving.engine.kv_link import KVLink
+from serving.engine.kv_push import KVPusher
 from serving.engine.page_queue import REFUSED, PageQueue, refusal_status
 from serving.engine.worker import EngineWorker, fail, resolve
 from serving.pb import cluster_pb2, cluster_pb2_grpc
@@ -52,9 +53,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         self.kv_peers = kv_peers or authz.KVPeers()
         self.progress: dict[str, _Progress] = {}  # requests still prefilling (engine thread)
         self.pushes: dict[str, list[asyncio.Task]] = {}
-        self.channels: dict[str, grpc.aio.Channel] = {}
-        self.stubs: dict[str, cluster_pb2_grpc.DecodeStub] = {}  # per target address (made once: a callable per method)
-        self.links: dict[str, KVLink] = {}  # per target address: the PushKVStream its pushes share
+        self.pusher: KVPusher | None = None  # the KV pushes to the targets (kv_push.py)
         self.worker: EngineWorker | None = None
         self.pages: PageQueue | None = None
 
@@ -62,6 +61,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
         self.worker = EngineWorker(self.engine, loop, self._on_step, name="engine-prefill")
         self.pages = PageQueue(self.worker, "prefill")  # prompts waiting for pages
         self.worker.faults.on_fault = self._step_failed
+        self.pusher = KVPusher(self.engine.config.page_size, self.engine.config.tensor_parallel)
 
     async def Prefill(self, request, context):
         rid, prompt, params, max_tokens, stop_ids = rpc.spec_from_pb(request.spec)
@@ -105,7 +105,7 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
             except REFUSED as e:  # a full queue, the deadline, a prompt that can never fit
                 await context.abort(refusal_status(e), str(e))
             t0 = time.perf_counter()  # prefill_ms from admission on (queued_ms before it)
-            tasks = [asyncio.create_task(self._push(rid, t, q, max(t.start, start0), n, chunk_bytes))
+            tasks = [asyncio.create_task(self.pusher.push(rid, t, q, max(t.start, start0), n, chunk_bytes))
                      for t, q in zip(targets, st.queues)]
             self.pushes[rid] = tasks
             try:
@@ -185,69 +185,6 @@ class PrefillService(cluster_pb2_grpc.PrefillServicer):
                     self.engine.release(rid, cache=True)
                 del self.progress[rid]
 
-    async def _push(self, rid, target, q, start, end, chunk_bytes) -> cluster_pb2.TransferDone:
-        stub = self.stubs.get(target.address)
-        if stub is None:
-            ch = self.channels[target.address] = rpc.channel(target.address)
-            stub = self.stubs[target.address] = cluster_pb2_grpc.DecodeStub(ch)
-        chunker = kvwire.Chunker(rid, start, end, chunk_bytes, target.kv_wire or "native", self.engine.config.page_size,
-                                 self.engine.config.tensor_parallel)  # a TP pool sends each shard's heads
-        native = chunker.format.name == "native"  # raw copies; the others encode off the event loop
-        waited = [0.0]  # seconds the push waited on P's own prefill (not the link)
-
-        async def stream(clock=None):
-            while chunker.next_pos < end:
-                if clock is not None:
-                    clock.waiting = True  # on this P's own prefill: not a stall of the link
-                w0 = time.perf_counter()
-                run, first, first_lp = await q.get()
-                waited[0] += time.perf_counter() - w0
-                if clock is not None:
-                    clock.touch()
-                known = [first] if first is not None and target.include_first_token else []
-                known_lp = [first_lp] if known and first_lp is not None else []
-                feed = (run, known, known_lp)
-                for c in chunker.feed(*feed) if native else await asyncio.to_thread(chunker.feed, *feed):
-                    yield c
-                    if clock is not None:
-                        clock.touch()  # the transport took the chunk
-
-        t0 = time.perf_counter()
-        done = cluster_pb2.TransferDone(role=target.role, tokens=end - start)
-        stall_s = env.PUSH_STALL_SECONDS.get()
-        if env.KV_PUSH_STREAM.get():  # the shared PushKVStream to this address (kv_link.py)
-            link = self.links.get(target.address)
-            if link is None:
-                link = self.links[target.address] = KVLink(stub, target.address)
-            res = await link.push(rid, stream(), stall_s)
-            done.code, done.error = res.code, res.error
-        else:  # one PushKV call of its own
-            await self._push_call(stub, target, stream, stall_s, done)
-        done.bytes, done.chunks, done.ms = chunker.bytes, chunker.seq, 1e3 * (time.perf_counter() - t0)
-        done.native_bytes = chunker.native_bytes
-        done.wire_ms = max(0.0, done.ms - 1e3 * waited[0])
-        return done
-
-    @staticmethod
-    async def _push_call(stub, target, stream, stall_s: float, done: cluster_pb2.TransferDone) -> None:
-        """The push as one PushKV call, cancelled after `stall_s` without progress."""
-        clock = _PushClock()
-        call = stub.PushKV(stream(clock))
-        watch = asyncio.create_task(clock.watch(call, stall_s))
-        try:
-            await call
-        except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
-            if clock.stalled:  # a blackholed link or a receiver that stopped reading: bounded
-                done.code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-                done.error = (f"no progress pushing KV to {target.address} for {stall_s:g} s "
-                              f"(PDDJAX_PUSH_STALL_SECONDS)")
-            elif isinstance(e, grpc.aio.AioRpcError):
-                done.code, done.error = e.code().value[0], e.details() or str(e.code())
-            else:
-                raise
-        finally:
-            watch.cancel()
-
     async def Release(self, request, context):
         """Idempotent; stops the request's pushes and frees its pages. A late one finds nothing."""
         rid = request.request_id
@@ -287,27 +224,6 @@ def _lease_expired(rid: str, target) -> cluster_pb2.TransferDone:
         role=target.role, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
         error=f"{target.address} did not acknowledge the KV of {rid} within {env.KV_LEASE_SECONDS.get():g} s of its "
               f"prefill; P freed it (PDDJAX_KV_LEASE_SECONDS)")
-
-
-class _PushClock:
-    """No-progress timer of one KV push: the transport took no chunk that P had ready, or the
-    receiver did not answer after the last one, for `limit` seconds -> the push is cancelled.
-    Time spent waiting on P's own prefill does not count. It bounds a stall, not the transfer:
-    on a slow link it must exceed what the HTTP/2 window lets be in flight / the link's rate."""
-
-    def __init__(self):
-        self.at, self.waiting, self.stalled = time.monotonic(), False, False
-
-    def touch(self) -> None:
-        self.at, self.waiting = time.monotonic(), False
-
-    async def watch(self, call, limit: float) -> None:
-        while not call.done():
-            await asyncio.sleep(min(1.0, limit / 4))
-            if not self.waiting and time.monotonic() - self.at > limit:
-                self.stalled = True
-                call.cancel()
-                return
 
 
 @dataclasses.dataclass
