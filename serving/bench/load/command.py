@@ -65,6 +65,8 @@ def register(bsub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--stream-interval", default="1", help="tokens per streamed message (comma list: side by side)")
+    p.add_argument("--handoff", choices=("one-shot", "chunked"),
+                   help="pdd's handoff mode per request (default: the router's [router] handoff, auto)")
     p.add_argument("--burst", default="64,256", help="queued-burst stream counts ('' = none)")
     p.add_argument("--burst-tokens", type=int, default=128)
     p.add_argument("--burst-pipelines", default="pd-local,pdd")
@@ -211,16 +213,23 @@ async def _burst(router: str, reqs, timeout: float) -> tuple[float, list[Stream]
             await c.close()
 
 
-def send_burst(router: str, prompts, max_tokens: int, pipeline: str, tag: str,
-               timeout: float = 600.0, interval: int = 1) -> tuple[float, list[Stream]]:
-    """All streams started at once (`interval` tokens per message) -> (start time, per-stream records)."""
+def burst_requests(prompts, max_tokens: int, pipeline: str, tag: str, interval: int = 1,
+                   handoff: str | None = None) -> list:
+    """The GenerateRequests of one burst: greedy, ignore_eos, `interval` tokens a message, and
+    pdd's handoff mode (None: the router's `[router] handoff`)."""
     from serving.client import make_request
 
-    reqs = [make_request(p, max_tokens=max_tokens, pipeline=pipeline, ignore_eos=True, request_id=f"{tag}-{i}")
-            for i, p in enumerate(prompts)]
+    reqs = [make_request(p, max_tokens=max_tokens, pipeline=pipeline, ignore_eos=True, request_id=f"{tag}-{i}",
+                         handoff=handoff) for i, p in enumerate(prompts)]
     for r in reqs if interval > 1 else ():
         r.stream_interval = interval
-    return asyncio.run(_burst(router, reqs, timeout))
+    return reqs
+
+
+def send_burst(router: str, prompts, max_tokens: int, pipeline: str, tag: str,
+               timeout: float = 600.0, interval: int = 1, handoff: str | None = None) -> tuple[float, list[Stream]]:
+    """All streams started at once (`interval` tokens per message) -> (start time, per-stream records)."""
+    return asyncio.run(_burst(router, burst_requests(prompts, max_tokens, pipeline, tag, interval, handoff), timeout))
 
 
 def cell(n: int, interval: int) -> str:
@@ -253,7 +262,7 @@ def run(args) -> int:
             raise UserError(f"{args.prompt_tokens} + {n_tok} tokens do not fit the model context ({mcfg.max_context})")
     cfg = stack_config(args)
     cpus = {} if args.no_pin else cluster_cpus()
-    result: dict = {"version": 1, "model": args.model, "stack": cfg, "cpus": cpus or None,
+    result: dict = {"version": 1, "model": args.model, "stack": cfg, "cpus": cpus or None, "handoff": args.handoff,
                     "reference": "ReferenceEngine (monolithic, dense cache), greedy, no stop ids",
                     "load_avg": {"before": [round(x, 2) for x in os.getloadavg()]}, "engine": {}, "serving": {},
                     "ratios": {}, "burst": {}}
@@ -310,7 +319,8 @@ def measure(args, stack, alone, streams, plan, refs, burst_plan, burst_refs, res
             result["engine"][str(n)] = alone.measure(n)
         print(f"bench serving: {p} x {n} streams, {i} tokens a message ...", file=sys.stderr, flush=True)
         c0, cpu0 = compiles.read(engines), stack.cpu_s()
-        t0, recs = send_burst(stack.router, prompts, args.max_tokens, p, f"{p}-{n}-{i}", interval=i)
+        t0, recs = send_burst(stack.router, prompts, args.max_tokens, p, f"{p}-{n}-{i}", interval=i,
+                              handoff=args.handoff)
         fig = burst_figures(t0, recs, refs[(p, n, i)])
         fig["stream_interval"] = i
         explain_mismatches(fig, alone.model, prompts)
@@ -328,7 +338,7 @@ def measure(args, stack, alone, streams, plan, refs, burst_plan, burst_refs, res
     for p, n, prompts in burst_plan:
         print(f"bench serving: burst {p} x {n} streams of {args.burst_tokens} tokens ...", file=sys.stderr, flush=True)
         m0 = scrape_router(stack.router_child.metrics)
-        t0, recs = send_burst(stack.router, prompts, args.burst_tokens, p, f"burst-{p}-{n}")
+        t0, recs = send_burst(stack.router, prompts, args.burst_tokens, p, f"burst-{p}-{n}", handoff=args.handoff)
         m1 = scrape_router(stack.router_child.metrics)
         fig = burst_figures(t0, recs, burst_refs[(p, n)])
         explain_mismatches(fig, alone.model, prompts)

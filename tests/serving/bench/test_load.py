@@ -17,6 +17,7 @@ import pytest
 
 from serving.bench.load import command as sl
 from serving.bench.load import figures as serving_figures
+from serving.pb import common_pb2
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -126,3 +127,15 @@ def test_bench_serving_small_run(tmp_path):
         assert b["ttft_ms"]["p99"] > b["ttft_ms"]["p50"] > 0
     assert len(res["load_avg"]["before"]) == 3 and len(res["load_avg"]["after"]) == 3
     assert "| pdd | 4 |" in p.stdout and "| 16 | pdd |" in p.stdout and "| 16 | pd-local |" in p.stdout
+
+
+@pytest.mark.parametrize("handoff,mode", [(None, common_pb2.HANDOFF_MODE_UNSPECIFIED),
+                                          ("one-shot", common_pb2.HANDOFF_MODE_ONE_SHOT),
+                                          ("chunked", common_pb2.HANDOFF_MODE_CHUNKED)])
+def test_a_burst_asks_for_the_chosen_handoff_mode(handoff, mode):
+    """`--handoff` reaches every request of a burst (None: the router's own setting), beside the
+    stream interval and the request ids the exactness check reads."""
+    reqs = sl.burst_requests([[5, 6, 7], [8, 9]], 16, "pdd", "t", interval=4, handoff=handoff)
+    assert [r.handoff for r in reqs] == [mode, mode]
+    assert [r.request_id for r in reqs] == ["t-0", "t-1"] and {r.stream_interval for r in reqs} == {4}
+    assert {r.pipeline for r in reqs} == {common_pb2.PIPELINE_PDD} and all(r.ignore_eos for r in reqs)
