@@ -20,6 +20,7 @@ the network) ends every push on it with that status; the next push opens a new o
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import AsyncIterator
 
@@ -45,12 +46,15 @@ class _Stream:
         self.senders = 0  # pushes blocked on a full queue
         self.writing = False  # a message handed to the transport and not yet taken
         self.broken: tuple[int, str] | None = None
+        self.cancels: collections.deque = collections.deque()  # cancels that found the queue full
         self.call = stub.PushKVStream(self._messages())
         self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     async def _messages(self):
         while True:
-            if self.out.empty():
+            if self.cancels:  # never behind a full queue: a lost cancel would leave a push open there
+                msg = self.cancels.popleft()
+            elif self.out.empty():
                 self.writing = False
                 msg = await self.out.get()
                 self.taken_at = time.monotonic()  # the transport was idle until now, not stalled
@@ -59,8 +63,9 @@ class _Stream:
             self.writing = True
             yield msg
             self.taken_at = time.monotonic()  # asked for the next: the transport took this one
-            if msg.HasField("chunk") and msg.chunk.last:
-                self.sent_all[msg.chunk.request_id] = self.taken_at
+            rid = msg.chunk.request_id if msg.HasField("chunk") and msg.chunk.last else None
+            if rid in self.waiting:  # (its answer may have come already)
+                self.sent_all[rid] = self.taken_at
 
     async def _read(self) -> None:
         try:
@@ -124,14 +129,15 @@ class _Stream:
             self.senders -= 1
 
     def cancel(self, rid: str) -> None:
-        """Tell the receiver to drop `rid`'s push (best effort: not when the queue is full or broken)."""
+        """Tell the receiver to drop `rid`'s push (before the queued chunks when the queue is full)."""
         self.waiting.pop(rid, None)
         self.sent_all.pop(rid, None)
         if self.broken is None:
+            msg = cluster_pb2.KVStreamRequest(cancel=rid)
             try:
-                self.out.put_nowait(cluster_pb2.KVStreamRequest(cancel=rid))
+                self.out.put_nowait(msg)
             except asyncio.QueueFull:
-                pass  # the receiver's lease, or the next push of that request, ends it
+                self.cancels.append(msg)
 
     def close(self) -> None:
         for t in self.tasks:
@@ -175,7 +181,7 @@ class KVLink:
                 st.outstanding += n
             return await fut
         except asyncio.CancelledError:
-            if not fut.done():
+            if fut.cancelled() or not fut.done():  # (cancelling this task cancels the future it awaits)
                 st.cancel(rid)
             raise
         finally:

@@ -10,7 +10,8 @@ PushKVStream. Against a real gRPC server whose receiver misbehaves on purpose:
   - a push nobody answers ends DEADLINE_EXCEEDED alone (the receiver is told to drop it); the
     stream goes on serving the next push;
   - a stream the receiver ends with a status ends the pushes on it with that status;
-  - a push cancelled on P sends the receiver a cancel of that request.
+  - a push cancelled on P sends the receiver a cancel of that request, whether it was waiting for
+    its answer or blocked on a full queue.
 """
 
 from __future__ import annotations
@@ -173,10 +174,31 @@ def test_a_stream_ended_by_the_receiver_ends_its_pushes_with_that_status():
     assert after.code == OK
 
 
+def test_a_cancel_goes_ahead_of_a_full_queue():
+    """A push blocked on a full queue (the receiver reads slowly, the window is full) is cancelled:
+    the cancel is not dropped for want of room but sent before the queued chunks."""
+    async def main():
+        async with _serving() as (recv, link):
+            task = asyncio.create_task(link.push("slow-q", _chunks("slow-q", 64, 256 << 10), 10.0))
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if link.streams and link.streams[0].out.full():
+                    break
+            full = link.streams[0].out.full()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            after = await link.push("r5", _chunks("r5", 1, 1024), 10.0)
+            return full, recv.cancels, after
+
+    full, cancels, after = asyncio.run(main())
+    assert full and cancels == ["slow-q"] and after.code == OK
+
+
 def test_a_push_cancelled_on_p_tells_the_receiver():
     async def main():
         async with _serving() as (recv, link):
-            task = asyncio.create_task(link.push("slow-c", _chunks("slow-c", 100, 1024, gap_s=0.01), 5.0))
+            task = asyncio.create_task(link.push("slow-c", _chunks("slow-c", 100, 1024), 5.0))  # queue full
             await asyncio.sleep(0.2)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
