@@ -171,7 +171,8 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     async def PushKVStream(self, request_iterator, context):
         """Many requests' PushKV on one (kv_stream.py): P's per decode instance."""
-        async for res in self._persistent(KVStream(self.kv), request_iterator):
+        kvs = KVStream(self.kv)
+        async for res in self._persistent(kvs, kvs.serve(request_iterator)):
             yield res
 
     async def Decode(self, request, context):
@@ -198,17 +199,19 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     async def DecodeStream(self, request_iterator, context):
         """Many requests' Decode streams on one (decode_stream.py): the router's per instance."""
-        async for msg in self._persistent(decode_stream.Sink(self.slots, self.role), request_iterator):
+        sink = decode_stream.Sink(self.slots, self.role)
+        async for msg in self._persistent(sink, decode_stream.serve(sink, request_iterator)):
             yield msg
 
-    async def _persistent(self, stream, request_iterator):
-        """A stream its caller keeps open across requests: while the service drains, it ends as
-        soon as nothing of it is in flight (the drain waits for in-flight RPCs, not idle streams)."""
+    async def _persistent(self, stream, responses):
+        """`responses` of a stream its caller keeps open across requests (`stream`: its state, with
+        `drain()`): while the service drains, it ends as soon as nothing of it is in flight (the
+        drain waits for in-flight RPCs, not idle streams)."""
         self.persistent.add(stream)
         if self.draining:
             stream.drain()
         try:
-            async for msg in stream.serve(request_iterator):
+            async for msg in responses:
                 yield msg
         finally:
             self.persistent.discard(stream)

@@ -104,10 +104,6 @@ class Sink:
         self.draining = True
         self.ready.set()
 
-    async def serve(self, request_iterator):
-        async for msg in serve(self, request_iterator):
-            yield msg
-
 
 def _continues(last: cluster_pb2.TokenBatch, item: cluster_pb2.TokenBatch) -> bool:
     """`item` may join `last` in one batch: it follows it, and neither ends the stream by a

@@ -33,6 +33,11 @@ MAX_STREAMS = 4  # PushKVStreams to one address at most
 BUSY_BYTES = 256 << 10  # KV bytes unanswered on a stream past which a push opens another (below MAX_STREAMS)
 
 
+def stalled(address: str, stall_s: float) -> str:
+    """The sentence of a push ended for want of progress."""
+    return f"no progress pushing KV to {address} for {stall_s:g} s (PDDJAX_PUSH_STALL_SECONDS)"
+
+
 class _Stream:
     """One PushKVStream call and the pushes waiting on it (event loop only)."""
 
@@ -88,16 +93,13 @@ class _Stream:
             await asyncio.sleep(min(1.0, self.stall_s / 4))
             now = time.monotonic()
             if (self.writing or self.out.qsize() or self.senders) and now - self.taken_at > self.stall_s:
-                self._break(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], self._stalled())
+                self._break(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], stalled(self.address, self.stall_s))
                 self.call.cancel()
                 return
             for rid, at in list(self.sent_all.items()):
                 if now - at > self.stall_s:
-                    self._answer(rid, grpc.StatusCode.DEADLINE_EXCEEDED.value[0], self._stalled())
+                    self._answer(rid, grpc.StatusCode.DEADLINE_EXCEEDED.value[0], stalled(self.address, self.stall_s))
                     self.cancel(rid)
-
-    def _stalled(self) -> str:
-        return f"no progress pushing KV to {self.address} for {self.stall_s:g} s (PDDJAX_PUSH_STALL_SECONDS)"
 
     def _answer(self, rid: str, code: int, error: str) -> None:
         self.sent_all.pop(rid, None)

@@ -18,7 +18,7 @@ import grpc
 
 from pddjax import env
 from serving import kvwire, rpc
-from serving.engine.kv_link import KVLink
+from serving.engine.kv_link import KVLink, stalled
 from serving.pb import cluster_pb2, cluster_pb2_grpc
 
 
@@ -44,23 +44,21 @@ class KVPusher:
                                  self.tensor_parallel)  # a TP pool sends each shard's heads
         native = chunker.format.name == "native"  # raw copies; the others encode off the event loop
         waited = [0.0]  # seconds the push waited on P's own prefill (not the link)
+        clock = _PushClock()  # the one-call push's no-progress timer (the link keeps its own)
 
-        async def stream(clock=None):
+        async def stream():
             while chunker.next_pos < end:
-                if clock is not None:
-                    clock.waiting = True  # on this P's own prefill: not a stall of the link
+                clock.waiting = True  # on this P's own prefill: not a stall of the link
                 w0 = time.perf_counter()
                 run, first, first_lp = await q.get()
                 waited[0] += time.perf_counter() - w0
-                if clock is not None:
-                    clock.touch()
+                clock.touch()
                 known = [first] if first is not None and target.include_first_token else []
                 known_lp = [first_lp] if known and first_lp is not None else []
                 feed = (run, known, known_lp)
                 for c in chunker.feed(*feed) if native else await asyncio.to_thread(chunker.feed, *feed):
                     yield c
-                    if clock is not None:
-                        clock.touch()  # the transport took the chunk
+                    clock.touch()  # the transport took the chunk
 
         t0 = time.perf_counter()
         done = cluster_pb2.TransferDone(role=target.role, tokens=end - start)
@@ -72,31 +70,26 @@ class KVPusher:
             res = await link.push(rid, stream(), stall_s)
             done.code, done.error = res.code, res.error
         else:  # one PushKV call of its own
-            await self._push_call(stub, target, stream, stall_s, done)
+            await _push_call(stub.PushKV(stream()), clock, target.address, stall_s, done)
         done.bytes, done.chunks, done.ms = chunker.bytes, chunker.seq, 1e3 * (time.perf_counter() - t0)
         done.native_bytes = chunker.native_bytes
         done.wire_ms = max(0.0, done.ms - 1e3 * waited[0])
         return done
 
-    @staticmethod
-    async def _push_call(stub, target, stream, stall_s: float, done: cluster_pb2.TransferDone) -> None:
-        """The push as one PushKV call, cancelled after `stall_s` without progress."""
-        clock = _PushClock()
-        call = stub.PushKV(stream(clock))
-        watch = asyncio.create_task(clock.watch(call, stall_s))
-        try:
-            await call
-        except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
-            if clock.stalled:  # a blackholed link or a receiver that stopped reading: bounded
-                done.code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-                done.error = (f"no progress pushing KV to {target.address} for {stall_s:g} s "
-                              f"(PDDJAX_PUSH_STALL_SECONDS)")
-            elif isinstance(e, grpc.aio.AioRpcError):
-                done.code, done.error = e.code().value[0], e.details() or str(e.code())
-            else:
-                raise
-        finally:
-            watch.cancel()
+async def _push_call(call, clock: _PushClock, address: str, stall_s: float, done: cluster_pb2.TransferDone) -> None:
+    """The push as one PushKV call (`call`), cancelled after `stall_s` without progress."""
+    watch = asyncio.create_task(clock.watch(call, stall_s))
+    try:
+        await call
+    except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+        if clock.stalled:  # a blackholed link or a receiver that stopped reading: bounded
+            done.code, done.error = grpc.StatusCode.DEADLINE_EXCEEDED.value[0], stalled(address, stall_s)
+        elif isinstance(e, grpc.aio.AioRpcError):
+            done.code, done.error = e.code().value[0], e.details() or str(e.code())
+        else:
+            raise
+    finally:
+        watch.cancel()
 
 
 class _PushClock:

@@ -114,9 +114,8 @@ class KVReceiver:
             code = e.code_name if isinstance(e, WireError) else "FAILED_PRECONDITION"
             await self._fail(rid, code, str(e), context)
         except grpc.aio.AbortError:  # the gate refused a malformed chunk mid-stream: the reservation goes too
-            if rid in self.slots:
-                await self.worker.call(self.slots.fail, rid, grpc.StatusCode.INVALID_ARGUMENT,
-                                       f"a KV chunk of {rid} is not a valid KVChunk message")
+            await self.fail(rid, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"a KV chunk of {rid} is not a valid KVChunk message")
             raise
         except MemoryError:
             await self._fail(rid, "RESOURCE_EXHAUSTED", f"{self.role} ran out of memory decoding the KV of {rid}",
@@ -142,8 +141,8 @@ class KVReceiver:
     async def _fail(self, rid, code: str, message: str, context) -> None:
         """The push ends with `code`; the reservation (never decoded) is failed with it, unless
         it is gone already (NOT_FOUND, ABORTED)."""
-        if rid in self.slots and code not in ("NOT_FOUND", "ABORTED"):
-            await self.worker.call(self.slots.fail, rid, getattr(grpc.StatusCode, code), message)
+        if code not in ("NOT_FOUND", "ABORTED"):
+            await self.fail(rid, getattr(grpc.StatusCode, code), message)
         await context.abort(getattr(grpc.StatusCode, code), message)
 
     def _log_sender(self, h: cluster_pb2.KVHeader) -> None:

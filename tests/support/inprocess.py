@@ -1,8 +1,11 @@
 """Helpers for tests that drive a real Decode service in this process (tiny model): a gRPC
-context whose abort raises `Refused`, an async iterator of chunks, and P's side of a request
-(prefill a prompt on a PagedEngine and export its KV in the canonical form)."""
+context whose abort raises `Refused`, an async iterator of chunks, a slot's stream read to its
+finish, and P's side of a request (prefill a prompt on a PagedEngine and export its KV in the
+canonical form)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from pddjax.engines.paged_engine import EngineConfig, PagedEngine
 
@@ -27,6 +30,16 @@ class Ctx:
 async def aiter(items):
     for x in items:
         yield x
+
+
+async def slot_tokens(slot, timeout: float = 30) -> list[int]:
+    """A slot's stream read to its finish -> every token id it carried."""
+    got = []
+    while True:
+        batch = await asyncio.wait_for(slot.out.get(), timeout)
+        got += list(batch.token_ids)
+        if batch.finish_reason:
+            return got
 
 
 def engine(tiny, cfg: EngineConfig = SMALL) -> PagedEngine:

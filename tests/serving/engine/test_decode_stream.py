@@ -184,7 +184,7 @@ def test_a_draining_stream_ends_once_its_last_subscription_ends():
         got = []
 
         async def read():
-            async for msg in sink.serve(requests()):
+            async for msg in decode_stream.serve(sink, requests()):
                 got.extend((i.request_id, list(i.batch.token_ids)) for i in msg.items)
 
         reading = asyncio.create_task(read())

@@ -20,7 +20,7 @@ from serving import rpc
 from serving.engine.decode import DecodeService
 from serving.engine.kv_push import KVPusher
 from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
-from tests.support.inprocess import Ctx, engine, prefill_runs
+from tests.support.inprocess import Ctx, engine, prefill_runs, slot_tokens
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams()
@@ -32,15 +32,6 @@ def _halves(run: KVRun) -> list[KVRun]:
     h = run.k.shape[1] // 2
     return [KVRun(run.fingerprint, run.start, run.k[:, :h], run.v[:, :h], run.dtype),
             KVRun(run.fingerprint, run.start + h, run.k[:, h:], run.v[:, h:], run.dtype)]
-
-
-async def _tokens(slot) -> list[int]:
-    got = []
-    while True:
-        batch = await asyncio.wait_for(slot.out.get(), 30)
-        got += list(batch.token_ids)
-        if batch.finish_reason:
-            return got
 
 
 @pytest.mark.parametrize("stream", ["1", "0"])
@@ -77,7 +68,7 @@ def test_a_push_lands_whole_and_rld_decodes_the_reference(tiny, monkeypatch, str
                 await asyncio.sleep(0.05)
                 queues[rid].put_nowait((last, want[rid][0], None))  # P's first token on the last export
             done = await asyncio.gather(*pushes)
-            got = {rid: await _tokens(slot) for rid, slot in slots.items()}
+            got = {rid: await slot_tokens(slot) for rid, slot in slots.items()}
             return done, got, len(pusher.links)
         finally:
             for ch in pusher.channels.values():

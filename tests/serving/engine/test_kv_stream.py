@@ -29,7 +29,7 @@ from serving.engine import kv_stream
 from serving.engine.decode import DecodeService
 from serving.kvwire import chunks
 from serving.pb import cluster_pb2
-from tests.support.inprocess import Ctx, engine, prefill_runs
+from tests.support.inprocess import Ctx, engine, prefill_runs, slot_tokens
 from tests.support.inprocess import aiter as _aiter
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,15 +72,6 @@ async def _results(svc, messages) -> dict[str, cluster_pb2.KVStreamResult]:
     return got
 
 
-async def _tokens(slot) -> list[int]:
-    got = []
-    while True:
-        item = await asyncio.wait_for(slot.out.get(), 30)
-        got += list(item.token_ids)
-        if item.finish_reason:
-            return got
-
-
 async def _gone(svc, rid: str) -> bool:
     """The reservation was failed: out of the table and its sequence gone from the engine."""
     for _ in range(100):
@@ -104,7 +95,7 @@ def test_interleaved_pushes_decode_to_the_reference(tiny):
                 await _reserve(svc, rid, p)
             slots = {rid: svc.slots.get(rid) for rid in prompts}
             results = await _results(svc, _interleaved(per))
-            got = {rid: await _tokens(slots[rid]) for rid in prompts}
+            got = {rid: await slot_tokens(slots[rid]) for rid in prompts}
             await svc.worker.call(lambda e: (e.check_integrity(), svc.slots.check_integrity()))
             return results, got
 
