@@ -30,6 +30,13 @@ RUN pip install . ${JAX_EXTRA:+"$JAX_EXTRA"} \
 
 # ---- run: the environment, the example configs, a non-root user ---------------------------
 FROM python:${PYTHON_VERSION}-slim AS run
+ARG JAX_EXTRA=""
+# A CPU image carries g++: the native paged attention is compiled on first use into the cache
+# volume (pddjax/model/attention/native_paged.py); without it the CPU path is XLA's attention.
+# Any C++17 g++ builds it, so the base image's own version is taken (not pinned).
+# hadolint ignore=DL3008
+RUN if [ -z "$JAX_EXTRA" ]; then apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*; fi
 RUN groupadd --system --gid 10001 pddjax \
  && useradd --system --uid 10001 --gid pddjax --home-dir /home/pddjax --create-home pddjax \
  && mkdir -p /var/cache/pddjax /etc/pddjax/config \

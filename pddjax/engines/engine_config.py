@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION = ("auto", "xla", "pallas")  # auto: XLA on CPU, Pallas on GPU/TPU
+ATTENTION = ("auto", "xla", "pallas", "native")  # auto: native (else XLA) on CPU, Pallas on GPU/TPU
 SPECULATIVE = ("off", "ngram")
 
 
@@ -18,7 +18,7 @@ class EngineConfig:
     dtype: str = "float32"  # weights and KV: one of DTYPES
     page_size: int = 16
     num_pages: int = 256  # page 0 is scratch
-    attention: str = "auto"  # "xla" | "pallas" | "auto" (XLA on CPU, Pallas on GPU/TPU)
+    attention: str = "auto"  # "xla" | "pallas" | "native" (CPU) | "auto" (native, else XLA, on CPU; Pallas on GPU/TPU)
     max_step_tokens: int = 256  # token budget of one step (prefill chunks fill what is left)
     max_rows: int = 32
     prefix_cache: bool = True

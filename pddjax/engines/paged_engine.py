@@ -60,7 +60,7 @@ from pddjax.kv.page_table import SequencePages, pages_needed
 from pddjax.kv.pool import KVPool
 from pddjax.kv.radix_cache import RadixCache
 from pddjax.model import weights as wmod
-from pddjax.model.attention import IMPLS, default_impl
+from pddjax.model.attention import IMPLS, default_impl, native_paged
 from pddjax.model.config import ModelConfig
 from pddjax.model.sampling_params import GREEDY, SamplingParams
 
@@ -75,6 +75,9 @@ class PagedEngine(Engine):
             config = dataclasses.replace(config, attention=default_impl())
         if config.attention not in IMPLS:
             raise ValueError(f"unknown attention {config.attention!r}; expected one of {IMPLS} or 'auto'")
+        if config.attention == "native" and not native_paged.available():  # registers the kernel with XLA
+            raise ValueError("attention 'native' is unavailable on this machine (the log says why); "
+                             "use 'auto' or 'xla'")
         tp = config.tensor_parallel
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel must be a positive integer, got {tp!r}")

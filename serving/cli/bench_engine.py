@@ -35,7 +35,7 @@ CONTEXT = 256
 def register(bsub) -> None:
     p = bsub.add_parser("engine", help="decode / extend / prefill step latency of the paged engine")
     p.add_argument("--model", default="smollm2-135m", help="tiny | smollm2-135m | PATH.gguf")
-    p.add_argument("--attention", choices=["xla", "pallas"], default=None, help="default: per backend")
+    p.add_argument("--attention", choices=["xla", "pallas", "native"], default=None, help="default: per backend")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--batches", default="1,8,16,32")

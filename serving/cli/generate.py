@@ -32,7 +32,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-ids", default="", help="extra comma-separated stop token IDs (EOS always stops)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--attention", choices=["xla", "pallas"], default=None,
+    p.add_argument("--attention", choices=["xla", "pallas", "native"], default=None,
                    help="run through the paged engine with this attention (default: the monolithic reference)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size of the paged engine (with --attention)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",

@@ -1,6 +1,8 @@
-"""Attention over the paged KV pool: one entry point, two implementations, one signature
+"""Attention over the paged KV pool: one entry point, three implementations, one signature
 (q [T, H, D], k_pages, v_pages [KH, P, S, D] (page 0 is scratch), and the step's rows, a
-`Ragged`: ragged.py says what they hold).
+`Ragged`: ragged.py says what they hold): "xla" (plain jnp, gathers each row's pages: the
+reference), "pallas" (the GPU/TPU kernel; interpreted on CPU) and "native" (an XLA:CPU custom
+call that reads the pages in place: native_paged.py).
 
 Under a tensor-parallel mesh (`mesh`, one axis "model"; pddjax/engines/mesh.py) q and the
 output are split over query heads. XLA's attention is left to GSPMD (the same program,
@@ -17,7 +19,7 @@ import jax
 from pddjax.model.attention.ragged import Ragged
 from pddjax.model.attention.xla_paged import paged_attention_xla, write_kv
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", "native")
 
 
 def paged_attention(
@@ -39,6 +41,12 @@ def paged_attention(
     say how the operands are laid out."""
     if mesh is not None and impl == "pallas":
         return _pallas_per_shard(q, k_pages, v_pages, rows, layer=layer, mesh=mesh, kv_sharded=kv_sharded)
+    if impl == "native":
+        from pddjax.model.attention import native_paged
+
+        if mesh is None and native_paged.problem(q, k_pages) is None:
+            return native_paged.paged_attention_native(q, k_pages, v_pages, rows, layer=layer)
+        impl = "xla"  # the custom call is opaque to GSPMD, and takes float32 / bfloat16 only
     if layer is not None and impl == "xla":
         k_pages, v_pages = k_pages[layer], v_pages[layer]
     if impl == "xla":
@@ -75,9 +83,14 @@ def _pallas_per_shard(q, k_pages, v_pages, rows: Ragged, *, layer, mesh, kv_shar
 
 
 def default_impl(backend: str | None = None) -> str:
-    """XLA on CPU (interpret-mode Pallas is slow); Pallas on GPU/TPU."""
+    """The native kernel on CPU where it builds, else XLA (interpret-mode Pallas is slow); Pallas on
+    GPU/TPU."""
     backend = backend or jax.default_backend()
-    return "xla" if backend == "cpu" else "pallas"
+    if backend != "cpu":
+        return "pallas"
+    from pddjax.model.attention import native_paged
+
+    return "native" if native_paged.available() else "xla"
 
 
 __all__ = ["IMPLS", "Ragged", "default_impl", "paged_attention", "write_kv"]

@@ -1,0 +1,381 @@
+// Paged attention for XLA:CPU, as an XLA FFI custom call: reads each row's KV pages in place in
+// the pool (no gathered copy), one page at a time, with a running softmax per query vector.
+//
+// Operands (letters as in pddjax/model/paged.py):
+//   q           [T, H, D]            float32 | bfloat16, rows packed along T
+//   k_pool      [L, KH, P, S, D]     float32 | bfloat16 (or [KH, P, S, D]: L = 1)
+//   v_pool      like k_pool
+//   layer       []  int32            which of the L layers to read
+//   cu_q_lens   [B+1] int32          row r owns query tokens cu[r]:cu[r+1]
+//   kv_lens     [B] int32            row r's KV length, its new tokens included
+//   page_tables [B, MP] int32        row r's pages in order
+//   sm_scale    attribute float      the logits' scale
+// Result: out [T, H, D] in q's dtype; tokens outside every row (padding) are zeros.
+// Query i of row r sits at position kv_lens[r] - q_len + i and sees KV positions 0..that one.
+// Work is split by (row, KV head) over XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA converts
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// Copies n values at src (float32 or bfloat16) into dst as float32.
+inline void load(const void* src, bool bf16, int64_t offset, int64_t n, float* dst) {
+  if (bf16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+  } else {
+    std::memcpy(dst, static_cast<const float*>(src) + offset, size_t(n) * sizeof(float));
+  }
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+// e^x per lane (Cephes' expf: range reduction by ln 2, a degree-6 polynomial; ~1 ulp);
+// x below -87.3 gives 0.
+inline v8f vexp(v8f x) {
+  const v8f low = splat(-87.3f);
+  const v8f under = x < low ? splat(1.0f) : splat(0.0f);
+  x = x < low ? low : x;
+  x = x > splat(88.3f) ? splat(88.3f) : x;
+  v8f fx = x * 1.44269504088896341f + 0.5f;
+  v8f t = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8f);
+  fx = t > fx ? t - 1.0f : t;  // floor
+  x = x - fx * 0.693359375f;
+  x = x - fx * -2.12194440e-4f;
+  v8f y = splat(1.9875691500e-4f);
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  v8i e = (__builtin_convertvector(fx, v8i) + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  y = y * scale;
+  return under > splat(0.0f) ? splat(0.0f) : y;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (; d + 8 <= n; d += 8) {
+    v8f x, y;
+    std::memcpy(&x, a + d, sizeof(x));
+    std::memcpy(&y, b + d, sizeof(y));
+    acc += x * y;
+  }
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// From this many query vectors in a task on, K is transposed once a page (below: one dot a slot).
+constexpr int64_t TRANSPOSE_AT = 8;
+
+struct Problem {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  bool q_bf16, kv_bf16;
+  int64_t num_tokens, num_heads, num_kv_heads, group, num_pages, page_size, head_dim, max_pages;
+  int64_t layer_offset;  // elements before the layer's [KH, P, S, D] block
+  int64_t num_rows;
+  const int32_t* cu;
+  const int32_t* kv_lens;
+  const int32_t* tables;
+  float scale;
+};
+
+// logits[x][b + 8v] for 4 query vectors x (rows of q, stride D) and NV vectors of slots from b,
+// against K transposed ([D, SP]): per d, NV loads of K and 4 broadcasts feed 4 * NV products.
+template <int NV>
+inline void qk_block(const float* q, const float* kt, int64_t D, int64_t SP, int64_t b, float* logits) {
+  v8f a[4][NV];
+  for (int x = 0; x < 4; ++x)
+    for (int v = 0; v < NV; ++v) a[x][v] = splat(0.0f);
+  for (int64_t d = 0; d < D; ++d) {
+    v8f k[NV];
+    for (int v = 0; v < NV; ++v) std::memcpy(&k[v], kt + d * SP + b + 8 * v, sizeof(v8f));
+    for (int x = 0; x < 4; ++x) {
+      const float qs = q[x * D + d];
+      for (int v = 0; v < NV; ++v) a[x][v] += qs * k[v];
+    }
+  }
+  for (int x = 0; x < 4; ++x)
+    for (int v = 0; v < NV; ++v) std::memcpy(logits + x * SP + b + 8 * v, &a[x][v], sizeof(v8f));
+}
+
+// acc[x][d0 + 8v] += sum over the page's slots s of w[x][s] * V[s][d0 + 8v], for 4 query vectors.
+template <int NV>
+inline void pv_block(const float* w, const float* vp, int64_t slots, int64_t D, int64_t SP, int64_t d0,
+                     float* acc) {
+  v8f c[4][NV];
+  for (int x = 0; x < 4; ++x)
+    for (int v = 0; v < NV; ++v) std::memcpy(&c[x][v], acc + x * D + d0 + 8 * v, sizeof(v8f));
+  for (int64_t s = 0; s < slots; ++s) {
+    v8f vv[NV];
+    for (int v = 0; v < NV; ++v) std::memcpy(&vv[v], vp + s * D + d0 + 8 * v, sizeof(v8f));
+    for (int x = 0; x < 4; ++x) {
+      const float ws = w[x * SP + s];
+      for (int v = 0; v < NV; ++v) c[x][v] += ws * vv[v];
+    }
+  }
+  for (int x = 0; x < 4; ++x)
+    for (int v = 0; v < NV; ++v) std::memcpy(acc + x * D + d0 + 8 * v, &c[x][v], sizeof(v8f));
+}
+
+// Query tokens [begin, end) of one row against one KV head's pages, a page at a time: the page's
+// logits for every query vector, a running softmax per vector, then the page's V into the sums.
+void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t kv_head) {
+  const int64_t D = p.head_dim, S = p.page_size, G = p.group;
+  const int64_t q0 = int64_t(p.cu[row]) + begin, q_len = end - begin;
+  const int64_t kv_len = std::min<int64_t>(p.kv_lens[row], p.max_pages * S);
+  // position of query `begin` (the row's query tokens are its last KV positions)
+  const int64_t first = kv_len - (int64_t(p.cu[row + 1]) - p.cu[row]) + begin;
+  if (kv_len <= 0 || first + q_len <= 0) return;
+  const int64_t n = q_len * G;  // query vectors: x = i * G + g
+  const bool vec = D % 8 == 0;  // head size in whole vectors: the blocked products
+  const int64_t n4 = (n + 3) / 4 * 4;  // rows padded to blocks of 4 (zeros)
+  const int64_t SP = (S + 7) / 8 * 8;  // a page's slots, padded to whole vectors
+  const bool transposed = vec && n >= TRANSPOSE_AT;  // K transposed once a page: blocked q.K
+  std::vector<float> qv(n4 * D, 0.0f), acc(n4 * D, 0.0f), m(n, -INFINITY), l(n, 0.0f);
+  std::vector<float> kpage(p.kv_bf16 ? S * D : 0), vpage(p.kv_bf16 ? S * D : 0);
+  std::vector<float> logits(n4 * SP, 0.0f), w(n4 * SP, 0.0f), kt(transposed ? D * SP : 0, 0.0f);
+  for (int64_t i = 0; i < q_len; ++i)
+    for (int64_t g = 0; g < G; ++g)
+      load(p.q, p.q_bf16, ((q0 + i) * p.num_heads + kv_head * G + g) * D, D, &qv[(i * G + g) * D]);
+  const int64_t head_offset = p.layer_offset + kv_head * p.num_pages * S * D;
+  const int64_t pages = (first + q_len - 1) / S + 1;  // those the block's last query sees
+  for (int64_t j = 0; j < pages; ++j) {
+    int64_t page = p.tables[row * p.max_pages + j];
+    page = std::min<int64_t>(std::max<int64_t>(page, 0), p.num_pages - 1);
+    const int64_t in_page = std::min<int64_t>(S, kv_len - j * S);
+    if (j + 1 < pages) {  // the next page's K and V on their way while this one is computed
+      int64_t next = p.tables[row * p.max_pages + j + 1];
+      next = std::min<int64_t>(std::max<int64_t>(next, 0), p.num_pages - 1);
+      const int64_t bytes = S * D * (p.kv_bf16 ? 2 : 4), at = (head_offset + next * S * D) * (p.kv_bf16 ? 2 : 4);
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(static_cast<const char*>(p.k) + at + b);
+        __builtin_prefetch(static_cast<const char*>(p.v) + at + b);
+      }
+    }
+    const float* kp;
+    const float* vp;
+    if (p.kv_bf16) {
+      load(p.k, true, head_offset + page * S * D, in_page * D, kpage.data());
+      load(p.v, true, head_offset + page * S * D, in_page * D, vpage.data());
+      kp = kpage.data();
+      vp = vpage.data();
+    } else {
+      kp = static_cast<const float*>(p.k) + head_offset + page * S * D;
+      vp = static_cast<const float*>(p.v) + head_offset + page * S * D;
+    }
+    if (transposed) {
+      for (int64_t s = 0; s < SP; ++s)
+        for (int64_t d = 0; d < D; ++d) kt[d * SP + s] = s < in_page ? kp[s * D + d] : 0.0f;
+      for (int64_t x = 0; x < n4; x += 4)
+        for (int64_t b = 0; b < SP; b += 8 * (SP % 16 == 0 ? 2 : 1)) {
+          if (SP % 16 == 0)
+            qk_block<2>(&qv[x * D], kt.data(), D, SP, b, &logits[x * SP]);
+          else
+            qk_block<1>(&qv[x * D], kt.data(), D, SP, b, &logits[x * SP]);
+        }
+    } else {
+      for (int64_t x = 0; x < n; ++x)
+        for (int64_t s = 0; s < in_page; ++s) logits[x * SP + s] = dot(&qv[x * D], kp + s * D, D);
+    }
+    for (int64_t x = 0; x < n; ++x) {
+      float* lx = &logits[x * SP];
+      float* wx = &w[x * SP];
+      const int64_t seen = std::min<int64_t>(in_page, first + x / G - j * S + 1);
+      if (seen <= 0) {  // this page is after the query's position: nothing of it counts
+        std::fill(wx, wx + SP, 0.0f);
+        continue;
+      }
+      float top = -INFINITY;
+      for (int64_t s = 0; s < seen; ++s) top = std::max(top, lx[s] *= p.scale);
+      for (int64_t s = seen; s < SP; ++s) lx[s] = -INFINITY;
+      const float m_new = std::max(m[x], top);
+      const float keep = std::exp(m[x] - m_new);  // exp(-inf) = 0 on the query's first page
+      float sum = 0.0f;
+      for (int64_t b = 0; b < SP; b += 8) {
+        v8f z;
+        std::memcpy(&z, lx + b, sizeof(z));
+        z = vexp(z - m_new);
+        std::memcpy(wx + b, &z, sizeof(z));
+      }
+      for (int64_t s = 0; s < seen; ++s) sum += wx[s];
+      float* ax = &acc[x * D];
+      for (int64_t d = 0; d < D; ++d) ax[d] *= keep;
+      m[x] = m_new;
+      l[x] = l[x] * keep + sum;
+    }
+    if (vec) {
+      for (int64_t x = 0; x < n4; x += 4)
+        for (int64_t d0 = 0; d0 < D; d0 += 8 * (D % 16 == 0 ? 2 : 1)) {
+          if (D % 16 == 0)
+            pv_block<2>(&w[x * SP], vp, in_page, D, SP, d0, &acc[x * D]);
+          else
+            pv_block<1>(&w[x * SP], vp, in_page, D, SP, d0, &acc[x * D]);
+        }
+    } else {
+      for (int64_t x = 0; x < n; ++x)
+        for (int64_t s = 0; s < in_page; ++s)
+          for (int64_t d = 0; d < D; ++d) acc[x * D + d] += w[x * SP + s] * vp[s * D + d];
+    }
+  }
+  for (int64_t i = 0; i < q_len; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t x = i * G + g;
+      const float inv = l[x] > 0 ? 1.0f / l[x] : 0.0f;
+      const int64_t at = ((q0 + i) * p.num_heads + kv_head * G + g) * D;
+      if (p.q_bf16) {
+        uint16_t* o = static_cast<uint16_t*>(p.out) + at;
+        for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[x * D + d] * inv);
+      } else {
+        float* o = static_cast<float*>(p.out) + at;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[x * D + d] * inv;
+      }
+    }
+  }
+}
+
+// A row's query tokens go in blocks of at most BLOCK (one task per block and KV head), so a long
+// row spreads over the threads too.
+constexpr int64_t BLOCK = 16;
+
+
+struct Block {
+  int64_t row, begin, end;
+};
+
+// Tasks (block, KV head) pulled from one counter by the calling thread and the pool's workers; the
+// caller returns once every task is done. A worker that starts late finds none left.
+struct Shared {
+  Problem problem;
+  std::vector<Block> blocks;
+  int64_t total;
+  std::atomic<int64_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void work() {
+    for (int64_t t; (t = next.fetch_add(1)) < total;) {
+      const Block& b = blocks[t / problem.num_kv_heads];
+      attend(problem, b.row, b.begin, b.end, t % problem.num_kv_heads);
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
+    }
+  }
+};
+
+bool is_float(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> cu_q_lens,
+                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_tables, float sm_scale,
+                              ffi::Result<ffi::AnyBuffer> out) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 3) return ffi::Error::InvalidArgument("q must be [T, H, D]");
+  if (kd.size() != 4 && kd.size() != 5) return ffi::Error::InvalidArgument("the pool must be [L, KH, P, S, D]");
+  if (!is_float(q.element_type()) || !is_float(k.element_type()) || k.element_type() != v.element_type() ||
+      out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("q and the pool must be float32 or bfloat16; out as q");
+  const size_t r = kd.size();
+  const int64_t num_layers = r == 5 ? kd[0] : 1;
+  Problem p;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.out = out->untyped_data();
+  p.q_bf16 = q.element_type() == ffi::DataType::BF16;
+  p.kv_bf16 = k.element_type() == ffi::DataType::BF16;
+  p.num_tokens = qd[0];
+  p.num_heads = qd[1];
+  p.head_dim = qd[2];
+  p.num_kv_heads = kd[r - 4];
+  p.num_pages = kd[r - 3];
+  p.page_size = kd[r - 2];
+  if (kd[r - 1] != p.head_dim || p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0)
+    return ffi::Error::InvalidArgument("q's heads and head size do not match the pool's");
+  p.group = p.num_heads / p.num_kv_heads;
+  auto td = page_tables.dimensions();
+  if (td.size() != 2 || cu_q_lens.element_count() != size_t(td[0]) + 1 || kv_lens.element_count() != size_t(td[0]))
+    return ffi::Error::InvalidArgument("cu_q_lens [B+1], kv_lens [B] and page_tables [B, MP] disagree");
+  p.num_rows = td[0];
+  p.max_pages = td[1];
+  const int64_t at = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), num_layers - 1);
+  p.layer_offset = at * p.num_kv_heads * p.num_pages * p.page_size * p.head_dim;
+  p.cu = cu_q_lens.typed_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.tables = page_tables.typed_data();
+  p.scale = sm_scale;
+  std::memset(p.out, 0, out->size_bytes());
+
+  auto shared = std::make_shared<Shared>();
+  shared->problem = p;
+  for (int64_t row = 0; row < p.num_rows; ++row) {
+    const int64_t q_len = int64_t(p.cu[row + 1]) - p.cu[row];
+    if (q_len <= 0 || p.cu[row] < 0 || int64_t(p.cu[row + 1]) > p.num_tokens) continue;  // padding
+    for (int64_t b = 0; b < q_len; b += BLOCK) shared->blocks.push_back({row, b, std::min(q_len, b + BLOCK)});
+  }
+  shared->total = int64_t(shared->blocks.size()) * p.num_kv_heads;
+  if (shared->total == 0) return ffi::Error::Success();
+  // The calling thread works too: helpers = the pool's threads less one (more only contend).
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), shared->total - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
+  shared->work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == shared->total; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PddjaxPagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::AnyBuffer>());

@@ -1,0 +1,134 @@
+"""The native XLA:CPU paged attention (native_paged.py): the per-token numpy loop's results, XLA's
+within bfloat16 rounding, the layer it is pointed at, zeros for padding, every size path of the
+kernel (head sizes in whole vectors or not, pages of fewer than 8 slots, blocks of 16 query
+tokens over the threads), and XLA's path when the kernel cannot be built.
+
+Tolerances as in test_paged_attention.py: float32 |err| <= 2e-5 against float64; bfloat16
+within about two bf16 ulps of XLA's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pddjax.model.attention import Ragged, default_impl, native_paged, paged_attention
+from tests.support.paged_attention_cases import MAX_Q_LEN, SCALE, as_np, batch_st, flat, make_batch, numpy_reference
+
+pytestmark = pytest.mark.skipif(not native_paged.available(), reason="no C++ compiler on this machine")
+
+
+@functools.cache
+def compiled(max_q_len: int = MAX_Q_LEN):
+    return jax.jit(flat(functools.partial(paged_attention, impl="native"), max_q_len=max_q_len))
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=batch_st, cfg=st.sampled_from([(8, 1), (16, 3), (32, 4)]))
+def test_native_matches_numpy(batch, cfg):
+    args = make_batch(*batch, *cfg, "float32")
+    got = as_np(compiled()(*args))
+    np.testing.assert_allclose(got, numpy_reference(*args, SCALE), atol=2e-5, rtol=0)
+    assert np.all(got[int(args[3][-1]):] == 0)  # padding tokens give zeros
+
+
+@settings(max_examples=6, deadline=None)
+@given(batch=batch_st, cfg=st.sampled_from([(16, 3), (8, 1)]))
+def test_native_bfloat16_matches_xla(batch, cfg):
+    args = make_batch(*batch, *cfg, "bfloat16")
+    got = as_np(compiled()(*args))
+    want = as_np(jax.jit(flat(functools.partial(paged_attention, impl="xla")))(*args))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=1e-2, rtol=1.6e-2)
+
+
+def test_decode_rows_match_numpy():
+    """A step of one-token rows (max_q_len 1): few query vectors a task, one dot a slot."""
+    rows = [("decode", 1, 63), ("decode", 1, 0), ("empty", 1, 0), ("decode", 1, 17)]
+    args = make_batch(rows, 3, 16, 3, "float32")
+    got = as_np(compiled(1)(*args))
+    np.testing.assert_allclose(got, numpy_reference(*args, SCALE), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("page_size,head_dim,group", [(4, 12, 2), (8, 8, 1), (16, 24, 4), (8, 64, 3)])
+def test_odd_sizes_match_numpy(page_size, head_dim, group):
+    """Head sizes not in whole 16-float blocks (or not in 8-float vectors: the scalar products),
+    pages of fewer than 8 slots, and a 40-token prefill row spread over three query blocks."""
+    rng = np.random.default_rng(page_size * 100 + head_dim)
+    kv_heads, max_pages = 2, 64 // page_size
+    q_lens, kv_lens = [40, 1, 3, 0], [56, 30, 9, 0]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_pages = 1 + 4 * max_pages
+    tables = np.zeros((4, max_pages), np.int32)
+    perm = rng.permutation(np.arange(1, num_pages))
+    for r, n in enumerate(kv_lens):
+        tables[r, :-(-n // page_size)] = perm[r * max_pages:r * max_pages + -(-n // page_size)]
+    q = rng.standard_normal((48, kv_heads * group, head_dim), np.float32)
+    k = rng.standard_normal((kv_heads, num_pages, page_size, head_dim), np.float32)
+    v = rng.standard_normal((kv_heads, num_pages, page_size, head_dim), np.float32)
+    rows = Ragged(jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables), 40, head_dim**-0.5)
+    got = np.asarray(jax.jit(lambda q, k, v, rows: paged_attention(q, k, v, rows, impl="native"))(q, k, v, rows))
+    want = numpy_reference(q, k, v, cu, np.asarray(kv_lens), tables, head_dim**-0.5)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    assert np.all(got[int(cu[-1]):] == 0)
+
+
+def test_whole_pool_with_layer_index_reads_that_layer():
+    """The engine hands the kernel the 5-D pool and a traced layer index: the layer's own pages."""
+    rows = [("decode", 1, 30), ("extend", 5, 20), ("empty", 1, 0), ("prefill", 12, 9)]
+    q, k, v, cu, kv, pt = make_batch(rows, 7, 8, 3, "float32")
+    k5 = jnp.stack([k * (layer + 1) for layer in range(3)])  # [L, KH, P, S, D]
+    v5 = jnp.stack([v - layer for layer in range(3)])
+    f = jax.jit(flat(functools.partial(paged_attention, impl="native")))
+    for layer in (0, 2):
+        got = f(q, k5, v5, cu, kv, pt, layer=jnp.int32(layer))
+        want = numpy_reference(q, k5[layer], v5[layer], cu, kv, pt, SCALE)
+        np.testing.assert_allclose(as_np(got), want, atol=2e-5, rtol=0)
+
+
+def test_float16_takes_xla_path():
+    """A dtype the kernel does not take runs XLA's attention (same results), not an error."""
+    rows = [("decode", 1, 30), ("extend", 5, 20), ("empty", 1, 0), ("prefill", 12, 9)]
+    q, k, v, cu, kv, pt = (x.astype(jnp.float16) if x.dtype == jnp.float32 else x
+                           for x in make_batch(rows, 5, 8, 1, "float32"))
+    assert native_paged.problem(q, k) is not None
+    got = jax.jit(flat(functools.partial(paged_attention, impl="native")))(q, k, v, cu, kv, pt)
+    want = jax.jit(flat(functools.partial(paged_attention, impl="xla")))(q, k, v, cu, kv, pt)
+    np.testing.assert_array_equal(as_np(got), as_np(want))
+
+
+def test_auto_picks_native_on_cpu():
+    assert default_impl("cpu") == "native"
+    assert default_impl("gpu") == "pallas"
+
+
+def test_without_a_compiler_auto_falls_back_to_xla(tmp_path):
+    """No compiler (CXX names a missing program, nothing built in a fresh cache): `auto` is XLA's,
+    with the reason logged, and asking for "native" by name is refused with a sentence."""
+    code = ("import logging; logging.basicConfig()\n"
+            "from pddjax.model.attention import default_impl\n"
+            "print('impl', default_impl('cpu'))\n"
+            "from pddjax.engines.engine_config import EngineConfig\n"
+            "from pddjax.engines.paged_engine import PagedEngine\n"
+            "from pddjax.model.registry import load_model\n"
+            "m = load_model('tiny')\n"
+            "try:\n"
+            "    PagedEngine(m.config, m.weights, m.fingerprint, EngineConfig(attention='native'))\n"
+            "except ValueError as e:\n"
+            "    print('refused', e)\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "PDDJAX_CACHE_DIR": str(tmp_path / "cache"),
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "impl xla" in done.stdout
+    assert "refused attention 'native' is unavailable" in done.stdout
+    assert "native paged attention unavailable" in done.stderr
