@@ -134,6 +134,9 @@ PUSH_STALL_SECONDS = _knob("PUSH_STALL_SECONDS", "seconds", 30.0,
                            "P gives up a KV push that made no progress for this long")
 KV_PUSH_STREAM = _knob("KV_PUSH_STREAM", "flag", True,
                        "P pushes KV over one PushKVStream per decode instance (off: one PushKV call per push)")
+CALL_STREAM = _knob("CALL_STREAM", "flag", True,
+                    "the router's Reserve / MatchPrefix / Release to RLD and MD and HandoffTokens ride one Calls "
+                    "stream per instance (off: one unary RPC each)")
 KV_LEASE_SECONDS = _knob("KV_LEASE_SECONDS", "seconds", 120.0,
                          "P frees a prefill's KV pages this long after the prefill if no target acknowledged")
 LEASE_SECONDS = _knob("LEASE_SECONDS", "seconds", 60.0,

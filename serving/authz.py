@@ -43,6 +43,7 @@ _TABLE = {
     "PushKVStream":  (_NONE,  frozenset({PREFILL}), frozenset({PREFILL})),
     "Decode":        (_NONE,  _R,                   _R),
     "DecodeStream":  (_NONE,  _R,                   _R),
+    "Calls":         (_NONE,  _R,                   frozenset({RELAY, ROUTER})),  # each call: its own row
     "Handoff":       (_NONE,  _R,                   _NONE),
     "Hold":          (_NONE,  _R,                   _NONE),
     "HandoffTokens": (_NONE,  _NONE,                frozenset({RELAY, ROUTER})),

@@ -100,10 +100,21 @@ def _safe_parser(cls):
     return parse
 
 
+class MalformedRequest(grpc.aio.AbortError):
+    """A streamed request that does not parse, raised by the request iterator. The gate aborts the
+    call INVALID_ARGUMENT with `message` once the handler ends with it, in the handler's task: a
+    reader task of the handler's own aborting while the handler writes a response would make two
+    concurrent send operations (grpc refuses the second, and the call never ends)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
 async def _checked_iter(requests, context):
     async for r in requests:
         if isinstance(r, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, r.message)
+            raise MalformedRequest(r.message)
         yield r
 
 
@@ -141,6 +152,9 @@ def gated_servicer(service_descriptor, gate: Gate):
                             yield item
                     else:
                         await result
+                except MalformedRequest as e:
+                    failed = e
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
                 except BaseException as e:
                     failed = e
                     raise
@@ -158,6 +172,9 @@ def gated_servicer(service_descriptor, gate: Gate):
                 failed = None
                 try:
                     return await fn(request, context)
+                except MalformedRequest as e:
+                    failed = e
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
                 except BaseException as e:
                     failed = e
                     raise

@@ -46,7 +46,7 @@ import grpc
 from pddjax.kv.allocator import OutOfPages
 from pddjax.kv.page_table import pages_needed
 from serving import rpc
-from serving.engine import decode_stream, hold
+from serving.engine import calls, decode_stream, hold
 from serving.engine.grammars import compile_or_refuse
 from serving.engine.handoff import Handoff
 from serving.engine.info import match_prefix, service_info
@@ -201,6 +201,16 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         """Many requests' Decode streams on one (decode_stream.py): the router's per instance."""
         sink = decode_stream.Sink(self.slots, self.role)
         async for msg in self._persistent(sink, decode_stream.serve(sink, request_iterator)):
+            yield msg
+
+    def attach_metrics(self, metrics) -> None:
+        """The service's metrics (serving/stack/server.py): calls on Calls streams count there by method."""
+        self.metrics = metrics
+
+    async def Calls(self, request_iterator, context):
+        """Unary calls as messages of one stream (calls.py): the router's per instance, RLD's per MD."""
+        stream = calls.CallStream(self, self.role, context, getattr(self, "metrics", None))
+        async for msg in self._persistent(stream, stream.serve(request_iterator)):
             yield msg
 
     async def _persistent(self, stream, responses):

@@ -36,9 +36,10 @@ import grpc
 
 from pddjax import env
 from serving import rpc
+from serving.call_link import CallStub, PeerLinks
 from serving.engine.slot import RpcFailure, SlotState
 from serving.engine.worker import resolve
-from serving.pb import cluster_pb2, cluster_pb2_grpc, common_pb2
+from serving.pb import cluster_pb2, common_pb2
 
 if TYPE_CHECKING:
     from serving.engine.slot import Slot, SlotTable
@@ -69,6 +70,7 @@ class Handoff:
         self.role, self.worker, self.slots, self.vocab_size = role, worker, slots, vocab_size
         self.peers = frozenset(peers)
         self.channels = rpc.PeerChannels(MD_CHANNELS, rpc.PEER_CHANNEL_OPTIONS)  # RLD: MD's address -> channel
+        self.links = PeerLinks(self.channels)  # RLD: MD's address -> its Calls stream (HandoffTokens)
         # MD: (request, chunk_seq | "final") -> ((start, n, tokens' crc), ack future); outlives
         # the slot, so a retry whose answer was lost is answered even after the request finished here
         self.applied: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
@@ -100,9 +102,9 @@ class Handoff:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{rid} did not start decoding on {self.role} "
                                                                    f"within {wait:.0f} s (its KV has not arrived)")
         async with self.channels.use(address) as ch:  # never closed while this handoff uses it
-            return await self._hand_over(request, context, cluster_pb2_grpc.DecodeStub(ch))
+            return await self._hand_over(request, context, self.links.stub(address, ch))
 
-    async def _hand_over(self, request, context, main: cluster_pb2_grpc.DecodeStub) -> cluster_pb2.HandoffResponse:
+    async def _hand_over(self, request, context, main: CallStub) -> cluster_pb2.HandoffResponse:
         """RLD, decoding: `handoff`'s catch-up chunks and final to MD through `main`."""
         rid = request.request_id
         chunked = request.mode == common_pb2.HANDOFF_MODE_CHUNKED
@@ -139,7 +141,7 @@ class Handoff:
             return cluster_pb2.HandoffResponse(handed_off=True, handed_off_at=len(toks), chunks=chunks + 1,
                                                tokens=len(toks))
 
-    async def _send_tokens(self, main: cluster_pb2_grpc.DecodeStub, req, budget: float | None = None) -> None:
+    async def _send_tokens(self, main: CallStub, req, budget: float | None = None) -> None:
         """RLD: one HandoffTokens, retried when the connection breaks or the answer is lost
         (UNAVAILABLE, DEADLINE_EXCEEDED): MD keys it by (request, chunk_seq | final) and applies
         it once, answering a retry with the first attempt's acknowledgement. `budget`: all tries

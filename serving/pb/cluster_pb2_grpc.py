@@ -295,6 +295,11 @@ class DecodeStub:
                 request_serializer=pddjax_dot_v1_dot_cluster__pb2.DecodeStreamRequest.SerializeToString,
                 response_deserializer=pddjax_dot_v1_dot_cluster__pb2.DecodeStreamResponse.FromString,
                 _registered_method=True)
+        self.Calls = channel.stream_stream(
+                '/pddjax.v1.Decode/Calls',
+                request_serializer=pddjax_dot_v1_dot_cluster__pb2.CallRequest.SerializeToString,
+                response_deserializer=pddjax_dot_v1_dot_cluster__pb2.CallResult.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -381,6 +386,15 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Calls(self, request_iterator, context):
+        """Unary calls as messages of one stream its caller keeps open per instance: the router's
+        Reserve, MatchPrefix and Release, and HandoffTokens (RLD's and the router's); each answered
+        by id as its own RPC would answer (serving/engine/calls.py, serving/call_link.py)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -443,6 +457,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.DecodeStream,
                     request_deserializer=pddjax_dot_v1_dot_cluster__pb2.DecodeStreamRequest.FromString,
                     response_serializer=pddjax_dot_v1_dot_cluster__pb2.DecodeStreamResponse.SerializeToString,
+            ),
+            'Calls': grpc.stream_stream_rpc_method_handler(
+                    servicer.Calls,
+                    request_deserializer=pddjax_dot_v1_dot_cluster__pb2.CallRequest.FromString,
+                    response_serializer=pddjax_dot_v1_dot_cluster__pb2.CallResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -769,6 +788,33 @@ class Decode:
             '/pddjax.v1.Decode/DecodeStream',
             pddjax_dot_v1_dot_cluster__pb2.DecodeStreamRequest.SerializeToString,
             pddjax_dot_v1_dot_cluster__pb2.DecodeStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Calls(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pddjax.v1.Decode/Calls',
+            pddjax_dot_v1_dot_cluster__pb2.CallRequest.SerializeToString,
+            pddjax_dot_v1_dot_cluster__pb2.CallResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving import rpc
+from serving.call_link import CallLink, CallStub
 from serving.pb import cluster_pb2, cluster_pb2_grpc
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -114,10 +115,13 @@ class Affinity:
 
 
 def stub(inst: Instance):
-    """The instance's Prefill or Decode stub (cached with its channel)."""
+    """The instance's Prefill stub, or its Decode stub whose Reserve, MatchPrefix, Release and
+    HandoffTokens ride one Calls stream (serving/call_link.py); cached with its channel."""
     if inst.stub is None or inst.stub[0] is not inst.channel:
-        make = cluster_pb2_grpc.PrefillStub if inst.role == "prefill" else cluster_pb2_grpc.DecodeStub
-        inst.stub = (inst.channel, make(inst.channel))
+        if inst.role == "prefill":
+            inst.stub = (inst.channel, cluster_pb2_grpc.PrefillStub(inst.channel))
+        else:
+            inst.stub = (inst.channel, CallStub(CallLink(inst.channel, f"{inst.role} {inst.address}")))
     return inst.stub[1]
 
 

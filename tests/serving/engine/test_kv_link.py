@@ -32,7 +32,8 @@ OK = 0
 
 class Receiver(cluster_pb2_grpc.DecodeServicer):
     """Answers each request on its last chunk. `stuck`: reads nothing; ids starting "slow" take
-    20 ms a chunk; "silent" ones are never answered; "abort" ends the stream UNAVAILABLE."""
+    20 ms a chunk ("slowest" 100 ms); "silent" ones are never answered; "abort" ends the stream
+    UNAVAILABLE."""
 
     def __init__(self):
         self.stuck = False
@@ -49,7 +50,7 @@ class Receiver(cluster_pb2_grpc.DecodeServicer):
                 continue
             c = msg.chunk
             if c.request_id.startswith("slow"):
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.1 if c.request_id.startswith("slowest") else 0.02)
             if c.request_id == "abort":
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the receiver is going away")
             if c.last and not c.request_id.startswith("silent"):
@@ -179,8 +180,8 @@ def test_a_cancel_goes_ahead_of_a_full_queue():
     the cancel is not dropped for want of room but sent before the queued chunks."""
     async def main():
         async with _serving() as (recv, link):
-            task = asyncio.create_task(link.push("slow-q", _chunks("slow-q", 64, 256 << 10), 10.0))
-            for _ in range(100):
+            task = asyncio.create_task(link.push("slowest-q", _chunks("slowest-q", 64, 256 << 10), 20.0))
+            for _ in range(250):
                 await asyncio.sleep(0.02)
                 if link.streams and link.streams[0].out.full():
                     break
@@ -188,11 +189,16 @@ def test_a_cancel_goes_ahead_of_a_full_queue():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            after = await link.push("r5", _chunks("r5", 1, 1024), 10.0)
+            after = await link.push("r5", _chunks("r5", 1, 1024), 10.0)  # on another stream, maybe first
+            for _ in range(500):  # the slow stream's reader reaches the cancel
+                if recv.cancels:
+                    break
+                await asyncio.sleep(0.02)
             return full, recv.cancels, after
 
     full, cancels, after = asyncio.run(main())
-    assert full and cancels == ["slow-q"] and after.code == OK
+    assert full, "the queue never filled"
+    assert cancels == ["slowest-q"] and after.code == OK, (cancels, after)
 
 
 def test_a_push_cancelled_on_p_tells_the_receiver():

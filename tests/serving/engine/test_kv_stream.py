@@ -180,8 +180,9 @@ def test_the_stream_ending_cuts_off_open_pushes_which_a_later_push_completes(tin
 
 
 def test_a_malformed_message_ends_the_stream_and_fails_its_open_pushes(tiny):
-    """The gate refuses bytes that do not parse (INVALID_ARGUMENT, raised through the stream's
-    iterator): r0, its push open, is failed; r1, answered before, keeps its KV."""
+    """The gate refuses bytes that do not parse (gate.MalformedRequest, raised through the stream's
+    iterator; the gate then aborts the call INVALID_ARGUMENT): r0, its push open, is failed; r1,
+    answered before, keeps its KV."""
     class AbortingCtx:
         code = None
 
@@ -211,15 +212,16 @@ def test_a_malformed_message_ends_the_stream_and_fails_its_open_pushes(tiny):
                     await asyncio.sleep(0.01)
                 yield malformed
 
-            with pytest.raises(grpc.aio.AbortError):
+            with pytest.raises(gate.MalformedRequest) as refused:  # the gate aborts the call with it
                 async for res in svc.PushKVStream(gate._checked_iter(messages(), ctx), ctx):
                     got.append(res)
             ended = await asyncio.wait_for(slot0.out.get(), 5)
-            return ctx.code, got, ended, await _gone(svc, "r0"), await svc.worker.call(
+            return refused.value.message, got, ended, await _gone(svc, "r0"), await svc.worker.call(
                 lambda e: e.seqs["r1"].pages.num_tokens)
 
-    code, got, ended, r0_gone, r1_tokens = asyncio.run(main())
-    assert code == ended.code == grpc.StatusCode.INVALID_ARGUMENT and "KVStreamRequest" in ended.message
+    why, got, ended, r0_gone, r1_tokens = asyncio.run(main())
+    assert "not a valid KVStreamRequest" in why
+    assert ended.code == grpc.StatusCode.INVALID_ARGUMENT and "KVStreamRequest" in ended.message
     assert r0_gone
     assert [r.request_id for r in got] == ["r1"] and got[0].code == 0 and r1_tokens == len(prompts["r1"])
 
