@@ -194,7 +194,7 @@ def test_fuzz_request_lifecycles(fuzz):
         ids, calls = fuzz.ids(), fuzz.calls()
         for step, pause in script:
             role, method, payload = step_call(spec, step)
-            for m in payload if method in ("PushKV", "PushKVStream") else [payload]:
+            for m in payload if method in ("PushKV", "PushKVStream", "Calls") else [payload]:
                 bind(m, ids)
             fuzz.start(calls, role, method, payload)
             time.sleep(pause)

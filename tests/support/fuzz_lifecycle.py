@@ -5,8 +5,9 @@ A script is (spec, [(step, pause s)]); a step is a tuple naming the RPC and its 
 (`step_call` turns it into (service, method, message)). Steps: reserve on RLD or MD (the
 spec, or another one), prefill on P (targets among RLD and MD with fuzzed start, role and
 first-token flag, chunk size), decode, handoff (RLD to MD, or to itself), handoff tokens,
-push (junk KV chunks, on a PushKV or a PushKVStream), hold (pause / resume), release (cache,
-cancel), info. Placeholders ("@0", "@main", ...) as in tests/support/fuzz_messages.py.
+push (junk KV chunks, on a PushKV or a PushKVStream), calls (reserve / release / handoff tokens
+as calls on one Calls stream, with cancels and junk calls), hold (pause / resume), release
+(cache, cancel), info. Placeholders ("@0", "@main", ...) as in tests/support/fuzz_messages.py.
 PD_LOCAL, PD_CROSS and PDD are the router's own flows, as scripts.
 """
 
@@ -35,6 +36,13 @@ steps = st.one_of(
               st.one_of(st.integers(0, 3), u32)),
     st.tuples(st.just("push"), tiers, st.lists(message(cluster_pb2.KVChunk.DESCRIPTOR), max_size=3)),
     st.tuples(st.just("pushstream"), tiers, st.lists(message(cluster_pb2.KVStreamRequest.DESCRIPTOR), max_size=4)),
+    st.tuples(st.just("calls"), tiers, st.lists(st.one_of(
+        st.tuples(st.just("reserve"), st.just("@"), rids, st.booleans(), st.one_of(st.none(), specs)),
+        st.tuples(st.just("release"), st.just("@"), rids, st.booleans(), st.booleans()),
+        st.tuples(st.just("tokens"), st.just("@"), rids, st.one_of(st.integers(0, 12), u32), token_lists,
+                  st.booleans(), st.one_of(st.integers(0, 3), u32)),
+        st.tuples(st.just("cancel"), st.integers(0, 5)),
+        message(cluster_pb2.CallRequest.DESCRIPTOR)), max_size=4)),
     st.tuples(st.just("hold"), tiers, rids, st.booleans()),
     st.tuples(st.just("release"), st.sampled_from(ROLES), rids, st.booleans(), st.booleans()),
     st.tuples(st.just("info"), st.sampled_from(ROLES)))
@@ -57,6 +65,9 @@ def _spec(base, variant, rid):
     s.CopyFrom(variant if variant is not None else base)
     s.request_id = rid
     return s
+
+
+_CALL_FIELDS = {"Reserve": "reserve", "Release": "release", "HandoffTokens": "handoff_tokens"}
 
 
 def step_call(spec, step) -> tuple[str, str, object]:
@@ -85,6 +96,18 @@ def step_call(spec, step) -> tuple[str, str, object]:
         return a[0], "PushKV", a[1]
     if kind == "pushstream":
         return a[0], "PushKVStream", a[1]
+    if kind == "calls":  # lifecycle steps as calls on one Calls stream (ids 1, 2, ...), cancels, junk
+        role, inner = a
+        out = []
+        for i, item in enumerate(inner, 1):
+            if isinstance(item, cluster_pb2.CallRequest):
+                out.append(item)
+            elif item[0] == "cancel":
+                out.append(cluster_pb2.CallRequest(id=item[1], cancel=True))
+            else:
+                _, method, msg = step_call(spec, item)
+                out.append(cluster_pb2.CallRequest(id=i, timeout_s=5.0, **{_CALL_FIELDS[method]: msg}))
+        return role, "Calls", out
     if kind == "hold":
         role, rid, on = a
         return role, "Hold", cluster_pb2.HoldRequest(request_id=rid, hold=on)
