@@ -13,6 +13,7 @@ its own method's name (serving/authz.py), as its unary RPC would be. While the s
 a new call is answered UNAVAILABLE and the stream ends once none is in flight. The caller
 half-closing ends the stream once its calls are answered; the caller going away cancels them.
 Each call counts in the service's pddjax_rpc_total / pddjax_rpc_seconds under its own method.
+At most MAX_IN_FLIGHT calls run at once on one stream; one more is refused RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ METHODS = {  # the oneof's field -> the servicer's method
     "handoff_tokens": "HandoffTokens",
 }
 SERVICE = "/pddjax.v1.Decode/"
+MAX_IN_FLIGHT = 1024  # calls running at once on one stream; more are refused RESOURCE_EXHAUSTED (as
+# unary RPCs past the server's max_concurrent_rpcs would be)
 
 
 class CallAborted(Exception):
@@ -91,6 +94,9 @@ class CallStream:
         if msg.id in self.tasks:
             return self._answer(msg.id, grpc.StatusCode.INVALID_ARGUMENT, f"call {msg.id} is already in flight")
         method = METHODS[kind]
+        if len(self.tasks) >= MAX_IN_FLIGHT:
+            return self._answer(msg.id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{MAX_IN_FLIGHT} calls are already running on this Calls stream")
         if self.draining:
             return self._answer(msg.id, grpc.StatusCode.UNAVAILABLE, f"{self.role} is draining")
         if self.checked:

@@ -10,6 +10,7 @@ between a real gRPC server holding the real DecodeService (tiny model) and a Cal
     PDDJAX_CALL_STREAM=0;
   - a draining service answers new calls UNAVAILABLE and ends the stream once idle;
   - with identities (TLS), each call is checked under its own method's row of the table;
+  - a call past the stream's bound on calls in flight is refused RESOURCE_EXHAUSTED;
   - a call that names no method, or reuses an id in flight, is refused alone; bytes that do not
     parse end the stream INVALID_ARGUMENT at once, even right behind an answer being written
     (found by the fuzz: the gate's abort from the reader raced the write, and the call hung).
@@ -345,3 +346,27 @@ def test_bytes_that_do_not_parse_end_the_stream_at_once(tiny):
 
     for code, seconds in asyncio.run(main()):
         assert code == grpc.StatusCode.INVALID_ARGUMENT and seconds < 2, (code, seconds)
+
+
+def test_calls_past_the_bound_in_flight_are_refused(tiny, monkeypatch):
+    """Calls that wait (Reserves queued for pages on a full pool) fill the stream's bound; the next
+    is refused RESOURCE_EXHAUSTED at once, and the stream serves again once calls end."""
+    monkeypatch.setattr(calls, "MAX_IN_FLIGHT", 3)
+    cfg = EngineConfig(page_size=16, num_pages=4, max_step_tokens=64, max_rows=4, attention="xla")
+
+    async def main():
+        async with _server(tiny, cfg=cfg) as (svc, channel, _, _):
+            stub = CallStub(CallLink(channel))
+            await stub.Reserve(cluster_pb2.ReserveRequest(spec=_spec("big", n=40)), timeout=10)
+            waiting = [asyncio.ensure_future(_code(stub.Reserve(cluster_pb2.ReserveRequest(
+                spec=_spec(f"w{i}", n=20), wait_for_pages=True), timeout=1.5))) for i in range(3)]
+            await asyncio.sleep(0.3)
+            refused = await _code(stub.Release(cluster_pb2.ReleaseRequest(request_id="x"), timeout=5))
+            waited = await asyncio.gather(*waiting)
+            after = await stub.Release(cluster_pb2.ReleaseRequest(request_id="big"), timeout=5)
+            return refused, [c for c, _ in waited], after.found
+
+    (code, details), waited, found = asyncio.run(main())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "3 calls are already running" in details
+    assert waited == [grpc.StatusCode.DEADLINE_EXCEEDED] * 3
+    assert found
