@@ -19,6 +19,7 @@ At most MAX_IN_FLIGHT calls run at once on one stream; one more is refused RESOU
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import grpc
@@ -103,7 +104,7 @@ class CallStream:
             why = authz.refusal(self.role, SERVICE + method, authz.peer_role(self.context))
             if why:
                 return self._answer(msg.id, grpc.StatusCode.PERMISSION_DENIED, why)
-        if msg.timeout_s < 0 or msg.timeout_s != msg.timeout_s:  # negative or NaN
+        if msg.timeout_s < 0 or not math.isfinite(msg.timeout_s):  # negative, infinite or NaN
             return self._answer(msg.id, grpc.StatusCode.INVALID_ARGUMENT, f"call {msg.id} has a bad timeout")
         task = asyncio.ensure_future(self._run(msg.id, kind, method, getattr(msg, kind), msg.timeout_s))
         self.tasks[msg.id] = task

@@ -280,11 +280,12 @@ def test_each_call_is_checked_under_its_own_method(tiny):
 def test_bad_calls_are_refused_alone_and_a_drain_refuses_new_ones(tiny):
     msgs = [cluster_pb2.CallRequest(id=1), cluster_pb2.CallRequest(id=2, timeout_s=-1,
                                                                    release=cluster_pb2.ReleaseRequest()),
-            cluster_pb2.CallRequest(id=3, release=cluster_pb2.ReleaseRequest(request_id="y"))]
+            cluster_pb2.CallRequest(id=3, release=cluster_pb2.ReleaseRequest(request_id="y")),
+            cluster_pb2.CallRequest(id=4, timeout_s=float("inf"), release=cluster_pb2.ReleaseRequest())]
 
     async def main():
         async with _server(tiny) as (svc, _, _, _):
-            bad = await _answers(svc, "main", _StreamCtx(), msgs, 3)
+            bad = await _answers(svc, "main", _StreamCtx(), msgs, 4)
             stream = calls.CallStream(svc, "main", _StreamCtx())
             stream.drain()
             stream.start(cluster_pb2.CallRequest(id=9, release=cluster_pb2.ReleaseRequest(request_id="y")))
@@ -295,6 +296,7 @@ def test_bad_calls_are_refused_alone_and_a_drain_refuses_new_ones(tiny):
     assert bad[1].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "names no method" in bad[1].error
     assert bad[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "bad timeout" in bad[2].error
     assert bad[3].code == 0 and bad[3].release.found is False
+    assert bad[4].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "bad timeout" in bad[4].error
     assert drained.code == grpc.StatusCode.UNAVAILABLE.value[0] and "draining" in drained.error
 
 
