@@ -11,7 +11,7 @@ compiled HLO), largest first. Names ending in `ynn_fusion` are YNNPACK's matrix 
 scan's weight-slice copies.
 
     python -m tools.step_trace [--model smollm2-135m] [--shape 32,32,32,1] [--context 256]
-                               [--num-pages 1024] [--reps 3] [--top 25]
+                               [--num-pages 1024] [--reps 3] [--top 25] [--attention xla|native]
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--attention", default="xla", choices=["xla", "native"],
+                    help="the paged attention the forward runs (native: the CPU kernel, one custom-call thunk)")
     args = ap.parse_args(argv)
     T, B, MP, Q = (int(x) for x in args.shape.split(","))
     pages = -(-(args.context + T // B) // args.page_size)  # each row's
@@ -58,7 +60,12 @@ def main(argv=None) -> int:
     weights = jax.device_put(for_engine(model.weights, one_device=True))
     pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, args.num_pages, args.page_size, cfg.head_dim, "float32")
     batch = _batch(T, B, MP, args.context, args.page_size, args.num_pages, cfg.vocab_size)
-    fwd = jax.jit(lambda w, b, p: forward_paged(w, cfg, b, p, max_q_len=Q), donate_argnums=(2,))
+    if args.attention == "native":
+        from pddjax.model.attention import native_paged
+
+        if not native_paged.available():
+            raise SystemExit("step_trace: the native attention could not be built here (the log says why)")
+    fwd = jax.jit(lambda w, b, p: forward_paged(w, cfg, b, p, max_q_len=Q, impl=args.attention), donate_argnums=(2,))
     compiled = fwd.lower(weights, batch, pool).compile()
     state = [pool]
 

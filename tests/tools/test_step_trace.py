@@ -29,3 +29,16 @@ def test_a_shape_the_pool_cannot_hold_is_refused():
         step_trace.main(["--model", "tiny", "--shape", "64,64,32,1", "--num-pages", "128"])
     with pytest.raises(SystemExit, match="in MP pages"):  # 64 + 1 tokens need 5 pages of 16
         step_trace.main(["--model", "tiny", "--shape", "1,1,4,1", "--context", "64"])
+
+
+def test_the_native_attention_is_one_custom_call_a_layer(capsys):
+    from pddjax.model.attention import native_paged
+
+    if not native_paged.available():
+        pytest.skip("no C++ compiler on this machine")
+    assert step_trace.main(["--model", "tiny", "--shape", "8,8,8,1", "--context", "64", "--num-pages", "128",
+                            "--reps", "2", "--top", "40", "--attention", "native"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [re.match(r"\s+([\d.]+) ms\s+x(\d+)\s+(\S+)\s*(.*)", line) for line in out[1:]]
+    assert any(r.group(3).startswith("ffi_call") and int(r.group(2)) == 2 for r in rows), out  # 2 layers
+    assert not any("[2,8,128,16]" in r.group(4) for r in rows), out  # no gathered KV
