@@ -68,6 +68,18 @@ async def outcome(call) -> tuple[grpc.StatusCode, str]:
         return e.code(), e.details()
 
 
+async def refused_push(make_call, tries: int = 3) -> tuple[grpc.StatusCode, str]:
+    """A client-streaming call the server refuses at once: grpc's aio client, still writing its
+    chunks when the status arrives, now and then reports its own INTERNAL ("Internal error from
+    Core") instead of the server's status (seen once in many suite runs). That race is the
+    client's, not the refusal under test: such a try is made again, up to `tries`."""
+    for _ in range(tries):
+        got = await outcome(make_call())
+        if got != (grpc.StatusCode.INTERNAL, "Internal error from Core"):
+            return got
+    return got
+
+
 async def stream_outcome(call) -> tuple[grpc.StatusCode, str]:
     try:
         async for _ in call:
@@ -126,8 +138,8 @@ def test_main_serves_each_rpc_only_to_its_roles(tls_env, tiny):
             decode = stub("prefill").Decode(cluster_pb2.DecodeRequest(request_id="r1"), timeout=30)
             got["decode.prefill"] = (await decode.code(), await decode.details())
             for who in ("router", "relay"):  # forged KV into MD's pool (and its shared prefix cache)
-                got[f"pushkv.{who}"] = await outcome(stub(who).PushKV(_aiter(chunks("r1", run, 0, [], 4096)),
-                                                                      timeout=30))
+                got[f"pushkv.{who}"] = await refused_push(lambda who=who: stub(who).PushKV(
+                    _aiter(chunks("r1", run, 0, [], 4096)), timeout=30))
             for who in ("router", "relay", "prefill"):  # the shared stream: a cancel of nothing, then the end
                 got[f"pushkvstream.{who}"] = await stream_outcome(stub(who).PushKVStream(
                     _aiter([cluster_pb2.KVStreamRequest(cancel="nobody")]), timeout=30))
