@@ -6,6 +6,7 @@ V vocab. Norms and softmax accumulate in float32; matmuls run in the weights' dt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -57,6 +58,41 @@ def rope(x, positions, base: float, scaling: RopeScaling | None = None):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
+IN_PLACE = ("wqkv", "wo", "w_gate_up", "w_down")  # the products a one-row CPU step reads in place
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlace:
+    """A stacked weight [L, K, N] at layer `i`, read where it lies by the native one-row product
+    (pddjax/model/attention/native/matvec.cc): inside the layer scan XLA would copy the layer's
+    slice out first, most of a one-row step's time above reading the weights once."""
+    stacked: jax.Array  # [L, K, N] float32
+    i: jax.Array  # [] int32
+
+
+def mm(x, w):
+    """x [T, K] @ w [K, N]; an InPlace weight (T = 1) through the native product."""
+    if isinstance(w, InPlace):
+        from pddjax.model.attention import native_paged
+
+        return native_paged.matvec_native(x, w.stacked, w.i)
+    return x @ w
+
+
+def in_place_ok(lw) -> bool:
+    """The layers' weights can be read in place: fused (one device), float32."""
+    return (lw.wqkv is not None and lw.w_gate_up is not None
+            and all(getattr(lw, n).dtype == jnp.float32 for n in IN_PLACE))
+
+
+def layer_in_place(lw, i):
+    """Layer i's weights: the small ones sliced, the four products' weights as InPlace."""
+    small = jax.tree_util.tree_map(lambda a: a[i], lw.replace(**{n: None for n in IN_PLACE}))
+    L, E = lw.wo.shape[0], lw.wo.shape[-1]
+    return small.replace(wqkv=InPlace(lw.wqkv, i), wo=InPlace(lw.wo.reshape(L, -1, E), i),
+                         w_gate_up=InPlace(lw.w_gate_up, i), w_down=InPlace(lw.w_down, i))
+
+
 def qkv(layer, h, positions, cfg: ModelConfig):
     """Pre-norm attention inputs. h: [T, E] -> q [T, H, D], k [T, K, D], v [T, K, D].
 
@@ -65,7 +101,7 @@ def qkv(layer, h, positions, cfg: ModelConfig):
     x = rms_norm(h, layer.attn_norm, cfg.rms_eps)
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if layer.wqkv is not None:  # fused (weights.fuse_projections): one product, then split
-        y = x @ layer.wqkv  # [T, (H + 2K) * D]
+        y = mm(x, layer.wqkv)  # [T, (H + 2K) * D]
         T = y.shape[0]
         q = y[:, :H * D].reshape(T, H, D)
         k = y[:, H * D:(H + K) * D].reshape(T, K, D)
@@ -84,6 +120,8 @@ def qkv(layer, h, positions, cfg: ModelConfig):
 
 def attn_out(layer, h, attn):
     """Residual add of the attention output. h: [T, E], attn: [T, H, D] -> [T, E]."""
+    if isinstance(layer.wo, InPlace):  # wo as [H * D, E]
+        return h + mm(attn.astype(h.dtype).reshape(attn.shape[0], -1), layer.wo)
     return h + jnp.einsum("thd,hde->te", attn.astype(h.dtype), layer.wo)
 
 
@@ -91,11 +129,13 @@ def mlp(layer, h, cfg: ModelConfig):
     """Residual SwiGLU block. h: [T, E] -> [T, E]."""
     x = rms_norm(h, layer.mlp_norm, cfg.rms_eps)
     if layer.w_gate_up is not None:  # fused: one product, then split
-        gate_up = x @ layer.w_gate_up  # [T, 2F]
+        gate_up = mm(x, layer.w_gate_up)  # [T, 2F]
         gate, up = gate_up[:, :cfg.ffn_hidden], gate_up[:, cfg.ffn_hidden:]
     else:
         gate = jnp.einsum("te,ef->tf", x, layer.w_gate)
         up = jnp.einsum("te,ef->tf", x, layer.w_up)
+    if isinstance(layer.w_down, InPlace):
+        return h + mm(jax.nn.silu(gate) * up, layer.w_down)
     return h + jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer.w_down)
 
 

@@ -65,7 +65,12 @@ def forward_paged(w: Weights, cfg: ModelConfig, batch: PackedBatch, pool: KVPool
         h = nn.mlp(layer, h, cfg)
         return (h, kp, vp), None
 
-    (h, kp, vp), _ = jax.lax.scan(layer_step, (h, pool.k, pool.v), (w.layers, jnp.arange(cfg.num_layers)))
+    if impl == "native" and mesh is None and batch.tokens.shape[0] == 1 and nn.in_place_ok(w.layers):
+        # one row on CPU: the products read the stacked weights in place (no per-layer slice copy)
+        (h, kp, vp), _ = jax.lax.scan(lambda c, i: layer_step(c, (nn.layer_in_place(w.layers, i), i)),
+                                      (h, pool.k, pool.v), jnp.arange(cfg.num_layers))
+    else:
+        (h, kp, vp), _ = jax.lax.scan(layer_step, (h, pool.k, pool.v), (w.layers, jnp.arange(cfg.num_layers)))
     logits = nn.logits(w, h[batch.last_idx], cfg)  # [B, V]
     if mesh is not None and cfg.vocab_size % mesh.size == 0:  # split over vocab like the LM head, so
         logits = _pin(logits, mesh, True)  # the logits are gathered (B x V), not the head (E x V)

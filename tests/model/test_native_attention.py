@@ -132,3 +132,39 @@ def test_without_a_compiler_auto_falls_back_to_xla(tmp_path):
     assert "impl xla" in done.stdout
     assert "refused attention 'native' is unavailable" in done.stdout
     assert "native paged attention unavailable" in done.stderr
+
+
+def test_one_row_product_reads_the_stacked_weight_in_place():
+    """layers.mm with an InPlace weight: x @ w[layer] of the stacked [L, K, N] (float32 rounding),
+    for a K that does not split evenly over the chunks and N not in whole vectors."""
+    from pddjax.model import layers
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((3, 70, 37)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((1, 70)), jnp.float32)
+    f = jax.jit(lambda x, w, i: layers.mm(x, layers.InPlace(w, i)))
+    for i in (0, 2):
+        np.testing.assert_allclose(np.asarray(f(x, w, jnp.int32(i))), np.asarray(x @ w[i]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_one_row_step_takes_the_in_place_products():
+    """The tiny model's forward at one token: the native path calls the one-row product (and no
+    layer slice of the four weights) and gives XLA's logits (float32 rounding, same argmax)."""
+    from pddjax.kv.pool import KVPool
+    from pddjax.model.paged import PackedBatch, forward_paged
+    from pddjax.model.registry import load_model
+    from pddjax.model.weights import for_engine
+
+    m = load_model("tiny")
+    cfg, w = m.config, jax.device_put(for_engine(m.weights, one_device=True))
+    pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, 16, 16, cfg.head_dim, "float32")
+    shape = pool.k.shape
+    pool = KVPool(jax.random.normal(jax.random.key(0), shape), jax.random.normal(jax.random.key(1), shape))
+    i32 = functools.partial(np.asarray, dtype=np.int32)
+    batch = PackedBatch(i32([7]), i32([20]), i32([2]), i32([4]), i32([0, 1]), i32([21]), i32([[1, 2, 0, 0]]), i32([0]))
+    got, want = (jax.jit(functools.partial(forward_paged, cfg=cfg, max_q_len=1, impl=impl))
+                 for impl in ("native", "xla"))
+    assert "pddjax_matvec" in got.lower(w, batch=batch, pool=pool).as_text()
+    a, b = np.asarray(got(w, batch=batch, pool=pool)[0]), np.asarray(want(w, batch=batch, pool=pool)[0])
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert (a.argmax(-1) == b.argmax(-1)).all()

@@ -1,4 +1,5 @@
-"""Paged attention as a native XLA:CPU kernel: native/paged_attention.cc, an XLA FFI custom call.
+"""Paged attention as a native XLA:CPU kernel: native/paged_attention.cc, an XLA FFI custom call
+(built with native/matvec.cc, the one-row product over stacked weights that `layers.InPlace` uses).
 
 XLA has no paged attention op, so its CPU path (xla_paged.py) copies each row's pages into a
 gathered block per layer, at the few GB/s XLA:CPU gathers 12 KB pages, before two batched
@@ -34,7 +35,9 @@ from pddjax.model.attention.ragged import Ragged
 log = logging.getLogger(__name__)
 
 TARGET = "pddjax_paged_attention"
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "paged_attention.cc")
+MATVEC_TARGET = "pddjax_matvec"  # one row times a stacked weight in place (native/matvec.cc; layers.InPlace)
+_NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
+SOURCES = (os.path.join(_NATIVE, "paged_attention.cc"), os.path.join(_NATIVE, "matvec.cc"))
 DTYPES = (jnp.float32, jnp.bfloat16)  # q and the pool; another dtype takes XLA's path
 
 
@@ -56,12 +59,14 @@ def _cpu_flags() -> str:
 
 def _command(cxx: str, out: str) -> list[str]:
     return [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-            "-I", jax.ffi.include_dir(), SOURCE, "-o", out]
+            "-I", jax.ffi.include_dir(), *SOURCES, "-o", out]
 
 
 def _library_path(cxx: str) -> str:
-    with open(SOURCE, "rb") as f:
-        source = f.read()
+    source = b""
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            source += f.read()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(repr((source, jax.lib.__version__, version, _cpu_flags(), platform.machine())).encode())
     return os.path.join(env.cache_dir(), "native", key.hexdigest()[:24], "libpddjax_attention.so")
@@ -75,7 +80,7 @@ def _build(path: str, cxx: str) -> None:
     try:
         done = subprocess.run(_command(cxx, tmp), capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed to build {SOURCE}: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cxx} failed to build {', '.join(SOURCES)}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -96,6 +101,7 @@ def _load() -> str | None:
             _build(path, cxx)
         lib = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PddjaxPagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(lib.PddjaxMatvec), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
     return None
@@ -132,3 +138,14 @@ def paged_attention_native(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     return call(q, k_pages, v_pages, layer, rows.cu_q_lens.astype(jnp.int32), rows.kv_lens.astype(jnp.int32),
                 rows.page_tables.astype(jnp.int32), sm_scale=np.float32(rows.sm_scale))
+
+
+def matvec_native(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """x [1, K] float32 @ w[layer] (w [L, K, N] float32, read in place) -> [1, N] float32."""
+    why = _load()
+    if why is not None:
+        raise RuntimeError(f"native kernels unavailable: {why}")
+    layer = jnp.asarray(layer, jnp.int32).reshape(())  # []
+    call = jax.ffi.ffi_call(MATVEC_TARGET, jax.ShapeDtypeStruct((1, w.shape[-1]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, w, layer)
