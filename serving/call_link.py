@@ -26,8 +26,8 @@ import grpc
 from pddjax import env
 from serving.pb import cluster_pb2, cluster_pb2_grpc
 
-_UNARY = {"reserve": "Reserve", "match_prefix": "MatchPrefix", "release": "Release",
-          "handoff_tokens": "HandoffTokens"}
+METHODS = {"reserve": "Reserve", "match_prefix": "MatchPrefix", "release": "Release",
+           "handoff_tokens": "HandoffTokens"}  # CallRequest's oneof field -> the Decode method it calls
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -51,7 +51,7 @@ class CallLink:
 
     async def call(self, kind: str, request, timeout: float | None = None):
         if self.unsupported or not env.CALL_STREAM.get():
-            return await getattr(self.stub, _UNARY[kind])(request, timeout=timeout)
+            return await self._unary(kind, request, timeout)
         if not self.open():
             self._start()
         call_id = next(self._ids)
@@ -72,8 +72,11 @@ class CallLink:
         finally:
             self._pending.pop(call_id, None)
         if answer is _UNSENT:  # the stream ended before it was served: this call as an RPC
-            return await getattr(self.stub, _UNARY[kind])(request, timeout=timeout)
+            return await self._unary(kind, request, timeout)
         return answer
+
+    def _unary(self, kind: str, request, timeout: float | None):
+        return getattr(self.stub, METHODS[kind])(request, timeout=timeout)
 
     def _cancel(self, call_id: int) -> None:
         if self.open():

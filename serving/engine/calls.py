@@ -25,14 +25,9 @@ import time
 import grpc
 
 from serving import authz
+from serving.call_link import METHODS
 from serving.pb import cluster_pb2
 
-METHODS = {  # the oneof's field -> the servicer's method
-    "reserve": "Reserve",
-    "match_prefix": "MatchPrefix",
-    "release": "Release",
-    "handoff_tokens": "HandoffTokens",
-}
 SERVICE = "/pddjax.v1.Decode/"
 MAX_IN_FLIGHT = 1024  # calls running at once on one stream; more are refused RESOURCE_EXHAUSTED (as
 # unary RPCs past the server's max_concurrent_rpcs would be)

@@ -77,8 +77,9 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         self.handoff: Handoff | None = None
         self.pages: PageQueue | None = None
         self._lease_task: asyncio.Task | None = None
-        self.persistent: set = set()  # open PushKVStreams (KVStream) and DecodeStreams (Sink)
+        self.persistent: set = set()  # open PushKVStreams (KVStream), DecodeStreams (Sink), Calls (CallStream)
         self.draining = False
+        self.metrics = None  # the service's (attach_metrics): calls on Calls streams count there
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.worker = EngineWorker(self.engine, loop, self._on_step, name=f"engine-{self.role}")
@@ -209,7 +210,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     async def Calls(self, request_iterator, context):
         """Unary calls as messages of one stream (calls.py): the router's per instance, RLD's per MD."""
-        stream = calls.CallStream(self, self.role, context, getattr(self, "metrics", None))
+        stream = calls.CallStream(self, self.role, context, self.metrics)
         async for msg in self._persistent(stream, stream.serve(request_iterator)):
             yield msg
 

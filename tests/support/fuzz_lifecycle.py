@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from serving.call_link import METHODS
 from serving.pb import cluster_pb2, common_pb2
 from tests.support.fuzz_messages import VOCAB, message, mostly, samplings, token_lists, u32
 
 ROLES = ["prefill", "relay", "main"]
+_CALL_FIELD = {method: field for field, method in METHODS.items()}  # Decode method -> CallRequest's field
 specs = st.builds(lambda prompt, max_tokens, sampling, stops: cluster_pb2.SequenceSpec(
     request_id="@0", prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop_token_ids=stops),
     mostly(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24), token_lists),
@@ -67,9 +69,6 @@ def _spec(base, variant, rid):
     return s
 
 
-_CALL_FIELDS = {"Reserve": "reserve", "Release": "release", "HandoffTokens": "handoff_tokens"}
-
-
 def step_call(spec, step) -> tuple[str, str, object]:
     """(service, method, message or chunks) of one lifecycle step; placeholders not bound yet."""
     kind, *a = step
@@ -106,7 +105,7 @@ def step_call(spec, step) -> tuple[str, str, object]:
                 out.append(cluster_pb2.CallRequest(id=item[1], cancel=True))
             else:
                 _, method, msg = step_call(spec, item)
-                out.append(cluster_pb2.CallRequest(id=i, timeout_s=5.0, **{_CALL_FIELDS[method]: msg}))
+                out.append(cluster_pb2.CallRequest(id=i, timeout_s=5.0, **{_CALL_FIELD[method]: msg}))
         return role, "Calls", out
     if kind == "hold":
         role, rid, on = a

@@ -7,7 +7,7 @@ products. The native kernel reads the pages where they lie in the pool, page by 
 running softmax, over XLA's intra-op threads: the same math, one read of the KV.
 
 The kernel is compiled on first use with the machine's C++ compiler (`CXX`, else g++) against
-jaxlib's FFI headers, into `<cache>/native/<key>/` (key: the source, jaxlib's version, the
+jaxlib's FFI headers, into `<cache>/native/<key>/` (key: the sources, jaxlib's version, the
 compiler and the CPU's flags), written to a temporary name and renamed into place; later
 processes load it. `available()` says whether it built; the attention's `auto` picks it on
 CPU when it did, and falls back to XLA's with the reason logged once when it did not.
@@ -38,6 +38,7 @@ TARGET = "pddjax_paged_attention"
 MATVEC_TARGET = "pddjax_matvec"  # one row times a stacked weight in place (native/matvec.cc; layers.InPlace)
 _NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 SOURCES = (os.path.join(_NATIVE, "paged_attention.cc"), os.path.join(_NATIVE, "matvec.cc"))
+HEADERS = (os.path.join(_NATIVE, "parallel.h"),)  # included by the sources: in the library's key too
 DTYPES = (jnp.float32, jnp.bfloat16)  # q and the pool; another dtype takes XLA's path
 
 
@@ -64,7 +65,7 @@ def _command(cxx: str, out: str) -> list[str]:
 
 def _library_path(cxx: str) -> str:
     source = b""
-    for path in SOURCES:
+    for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             source += f.read()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout

@@ -12,25 +12,22 @@
 //   sm_scale    attribute float      the logits' scale
 // Result: out [T, H, D] in q's dtype; tokens outside every row (padding) are zeros.
 // Query i of row r sits at position kv_lens[r] - q_len + i and sees KV positions 0..that one.
-// Work is split by (row, KV head) over XLA's intra-op thread pool.
+// Work is split by (a row's query tokens in blocks of BLOCK, KV head) over XLA's intra-op thread
+// pool (parallel.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using pddjax_native::v8f;
 
 namespace {
-
-typedef float v8f __attribute__((vector_size(32)));
 
 inline float bf16_to_f32(uint16_t x) {
   uint32_t u = uint32_t(x) << 16;
@@ -179,13 +176,14 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
       load(p.q, p.q_bf16, ((q0 + i) * p.num_heads + kv_head * G + g) * D, D, &qv[(i * G + g) * D]);
   const int64_t head_offset = p.layer_offset + kv_head * p.num_pages * S * D;
   const int64_t pages = (first + q_len - 1) / S + 1;  // those the block's last query sees
+  auto page_at = [&](int64_t j) {  // the row's j-th page, kept inside the pool
+    return std::min<int64_t>(std::max<int64_t>(p.tables[row * p.max_pages + j], 0), p.num_pages - 1);
+  };
   for (int64_t j = 0; j < pages; ++j) {
-    int64_t page = p.tables[row * p.max_pages + j];
-    page = std::min<int64_t>(std::max<int64_t>(page, 0), p.num_pages - 1);
+    const int64_t page = page_at(j);
     const int64_t in_page = std::min<int64_t>(S, kv_len - j * S);
     if (j + 1 < pages) {  // the next page's K and V on their way while this one is computed
-      int64_t next = p.tables[row * p.max_pages + j + 1];
-      next = std::min<int64_t>(std::max<int64_t>(next, 0), p.num_pages - 1);
+      const int64_t next = page_at(j + 1);
       const int64_t bytes = S * D * (p.kv_bf16 ? 2 : 4), at = (head_offset + next * S * D) * (p.kv_bf16 ? 2 : 4);
       for (int64_t b = 0; b < bytes; b += 64) {
         __builtin_prefetch(static_cast<const char*>(p.k) + at + b);
@@ -277,31 +275,8 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
 // row spreads over the threads too.
 constexpr int64_t BLOCK = 16;
 
-
 struct Block {
   int64_t row, begin, end;
-};
-
-// Tasks (block, KV head) pulled from one counter by the calling thread and the pool's workers; the
-// caller returns once every task is done. A worker that starts late finds none left.
-struct Shared {
-  Problem problem;
-  std::vector<Block> blocks;
-  int64_t total;
-  std::atomic<int64_t> next{0}, done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-
-  void work() {
-    for (int64_t t; (t = next.fetch_add(1)) < total;) {
-      const Block& b = blocks[t / problem.num_kv_heads];
-      attend(problem, b.row, b.begin, b.end, t % problem.num_kv_heads);
-      if (done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
-    }
-  }
 };
 
 bool is_float(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
@@ -347,21 +322,16 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   p.scale = sm_scale;
   std::memset(p.out, 0, out->size_bytes());
 
-  auto shared = std::make_shared<Shared>();
-  shared->problem = p;
+  std::vector<Block> blocks;
   for (int64_t row = 0; row < p.num_rows; ++row) {
     const int64_t q_len = int64_t(p.cu[row + 1]) - p.cu[row];
     if (q_len <= 0 || p.cu[row] < 0 || int64_t(p.cu[row + 1]) > p.num_tokens) continue;  // padding
-    for (int64_t b = 0; b < q_len; b += BLOCK) shared->blocks.push_back({row, b, std::min(q_len, b + BLOCK)});
+    for (int64_t b = 0; b < q_len; b += BLOCK) blocks.push_back({row, b, std::min(q_len, b + BLOCK)});
   }
-  shared->total = int64_t(shared->blocks.size()) * p.num_kv_heads;
-  if (shared->total == 0) return ffi::Error::Success();
-  // The calling thread works too: helpers = the pool's threads less one (more only contend).
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), shared->total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
-  shared->work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == shared->total; });
+  pddjax_native::run_tasks(pool, int64_t(blocks.size()) * p.num_kv_heads, [&](int64_t t) {
+    const Block& b = blocks[t / p.num_kv_heads];
+    attend(p, b.row, b.begin, b.end, t % p.num_kv_heads);
+  });
   return ffi::Error::Success();
 }
 
