@@ -9,7 +9,9 @@ agree (largest logit difference, the same argmax per row).
 A shape is T,B,MP,Q (tokens, rows, page-table width, longest row): B rows of T / B new tokens
 after --context tokens of KV each (a shape whose rows are --prefill-at tokens or longer starts
 from an empty context: a prefill). The KV pool holds random values (N(0, 1)), so attention is
-not trivially uniform. Run it on a quiet machine, under `nice -n -20`.
+not trivially uniform. `native@K` is the native attention with the products read in place for
+steps of up to K tokens only (`layers.IN_PLACE_MAX_TOKENS`; `native@1` keeps XLA's products from
+two tokens on). Run it on a quiet machine, under `nice -n -20`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from pddjax.kv.pool import KVPool
+    from pddjax.model import layers
     from pddjax.model.paged import forward_paged
     from pddjax.model.registry import load_model
     from pddjax.model.weights import for_engine
@@ -58,9 +61,15 @@ def main(argv=None) -> int:
         sides = {}
         for impl in impls:
             pool = KVPool(jax.random.normal(jax.random.key(0), shape), jax.random.normal(jax.random.key(1), shape))
-            fwd = jax.jit(lambda w, b, p, impl=impl, Q=Q: forward_paged(w, cfg, b, p, max_q_len=Q, impl=impl),
+            name, _, in_place = impl.partition("@")  # native@K: products read in place up to K tokens
+            fwd = jax.jit(lambda w, b, p, name=name, Q=Q: forward_paged(w, cfg, b, p, max_q_len=Q, impl=name),
                           donate_argnums=(2,))
-            sides[impl] = [fwd.lower(weights, batch, pool).compile(), pool, [], None]
+            default = layers.IN_PLACE_MAX_TOKENS
+            layers.IN_PLACE_MAX_TOKENS = int(in_place) if in_place else default
+            try:
+                sides[impl] = [fwd.lower(weights, batch, pool).compile(), pool, [], None]
+            finally:
+                layers.IN_PLACE_MAX_TOKENS = default
         for _ in range(args.reps):
             for side in sides.values():
                 t0 = time.perf_counter()

@@ -58,24 +58,27 @@ def rope(x, positions, base: float, scaling: RopeScaling | None = None):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-IN_PLACE = ("wqkv", "wo", "w_gate_up", "w_down")  # the products a one-row CPU step reads in place
+IN_PLACE = ("wqkv", "wo", "w_gate_up", "w_down")  # the products a CPU step of few tokens reads in place
+IN_PLACE_MAX_TOKENS = 64  # steps of up to this many tokens: decode batches, extend, a verify; not prefill
 
 
 @dataclasses.dataclass(frozen=True)
 class InPlace:
-    """A stacked weight [L, K, N] at layer `i`, read where it lies by the native one-row product
-    (pddjax/model/attention/native/matvec.cc): inside the layer scan XLA would copy the layer's
-    slice out first, most of a one-row step's time above reading the weights once."""
+    """A stacked weight [L, K, N] at layer `i`, read where it lies by the native products
+    (pddjax/model/attention/native/matvec.cc for one row, gemm.cc for more): inside the layer
+    scan XLA would copy the layer's slice out first, then its matrix library would pack it again."""
     stacked: jax.Array  # [L, K, N] float32
     i: jax.Array  # [] int32
 
 
 def mm(x, w):
-    """x [T, K] @ w [K, N]; an InPlace weight (T = 1) through the native product."""
+    """x [T, K] @ w [K, N]; an InPlace weight through the native products."""
     if isinstance(w, InPlace):
         from pddjax.model.attention import native_paged
 
-        return native_paged.matvec_native(x, w.stacked, w.i)
+        if x.shape[0] == 1:
+            return native_paged.matvec_native(x, w.stacked, w.i)
+        return native_paged.gemm_native(x, w.stacked, w.i)
     return x @ w
 
 

@@ -65,8 +65,9 @@ def forward_paged(w: Weights, cfg: ModelConfig, batch: PackedBatch, pool: KVPool
         h = nn.mlp(layer, h, cfg)
         return (h, kp, vp), None
 
-    if impl == "native" and mesh is None and batch.tokens.shape[0] == 1 and nn.in_place_ok(w.layers):
-        # one row on CPU: the products read the stacked weights in place (no per-layer slice copy)
+    if (impl == "native" and mesh is None and batch.tokens.shape[0] <= nn.IN_PLACE_MAX_TOKENS
+            and nn.in_place_ok(w.layers)):
+        # few tokens on CPU: the products read the stacked weights in place (no per-layer slice copy)
         (h, kp, vp), _ = jax.lax.scan(lambda c, i: layer_step(c, (nn.layer_in_place(w.layers, i), i)),
                                       (h, pool.k, pool.v), jnp.arange(cfg.num_layers))
     else:

@@ -147,6 +147,24 @@ def test_one_row_product_reads_the_stacked_weight_in_place():
         np.testing.assert_allclose(np.asarray(f(x, w, jnp.int32(i))), np.asarray(x @ w[i]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,k,n", [(2, 70, 48), (5, 300, 48), (7, 70, 37), (8, 300, 48), (13, 70, 37),
+                                      (64, 300, 100)])
+def test_few_row_product_reads_the_stacked_weight_in_place(rows, k, n):
+    """layers.mm with an InPlace weight and 2-64 rows (native/gemm.cc): x @ w[layer], with rows
+    not in whole register blocks, K over more than one packed block, N not in whole panels, and
+    both the packed and the as-stored weight reads."""
+    from pddjax.model import layers
+
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    w = jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    f = jax.jit(lambda x, w, i: layers.mm(x, layers.InPlace(w, i)))
+    assert "pddjax_gemm" in f.lower(x, w, jnp.int32(0)).as_text()
+    for i in (0, 2):
+        want = np.asarray(x, np.float64) @ np.asarray(w[i], np.float64)
+        np.testing.assert_allclose(np.asarray(f(x, w, jnp.int32(i))), want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_one_row_step_takes_the_in_place_products():
     """The tiny model's forward at one token: the native path calls the one-row product (and no
     layer slice of the four weights) and gives XLA's logits (float32 rounding, same argmax)."""
@@ -168,3 +186,46 @@ def test_a_one_row_step_takes_the_in_place_products():
     a, b = np.asarray(got(w, batch=batch, pool=pool)[0]), np.asarray(want(w, batch=batch, pool=pool)[0])
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("tokens,in_place", [(3, True), (80, False)])
+def test_a_step_of_few_tokens_takes_the_in_place_products(tokens, in_place):
+    """The tiny model's forward with one row of `tokens` new tokens: up to IN_PLACE_MAX_TOKENS the
+    native path runs the products in place (gemm), beyond it XLA's; the logits are XLA's either way."""
+    from pddjax.kv.pool import KVPool
+    from pddjax.model import layers
+    from pddjax.model.paged import PackedBatch, forward_paged
+    from pddjax.model.registry import load_model
+    from pddjax.model.weights import for_engine
+
+    assert (tokens <= layers.IN_PLACE_MAX_TOKENS) == in_place
+    m = load_model("tiny")
+    cfg, w = m.config, jax.device_put(for_engine(m.weights, one_device=True))
+    pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, 16, 16, cfg.head_dim, "float32")
+    shape = pool.k.shape
+    pool = KVPool(jax.random.normal(jax.random.key(0), shape), jax.random.normal(jax.random.key(1), shape))
+    i32 = functools.partial(np.asarray, dtype=np.int32)
+    ctx = 20  # KV positions before the new tokens; pages 1.. hold the row
+    positions = ctx + np.arange(tokens)
+    table = np.zeros((1, 8), np.int32)
+    table[0, :-(-(ctx + tokens) // 16)] = 1 + np.arange(-(-(ctx + tokens) // 16))
+    batch = PackedBatch(i32(np.arange(tokens) % cfg.vocab_size), i32(positions), i32(1 + positions // 16),
+                        i32(positions % 16), i32([0, tokens]), i32([ctx + tokens]), table, i32([tokens - 1]))
+    got, want = (jax.jit(functools.partial(forward_paged, cfg=cfg, max_q_len=tokens, impl=impl))
+                 for impl in ("native", "xla"))
+    assert ("pddjax_gemm" in got.lower(w, batch=batch, pool=pool).as_text()) == in_place
+    a, b = np.asarray(got(w, batch=batch, pool=pool)[0]), np.asarray(want(w, batch=batch, pool=pool)[0])
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_a_rows_product_does_not_depend_on_the_other_rows():
+    """The in-place product gives a row the same bits whether it comes with 2 rows (weights read as
+    stored) or 20 (packed): the sums run over the same blocks of K in the same order."""
+    from pddjax.model import layers
+
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((2, 600, 64)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((20, 600)), jnp.float32)
+    f = jax.jit(lambda x, w: layers.mm(x, layers.InPlace(w, jnp.int32(1))))
+    np.testing.assert_array_equal(np.asarray(f(x[:2], w)), np.asarray(f(x, w))[:2])

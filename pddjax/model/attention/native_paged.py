@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 
 TARGET = "pddjax_paged_attention"
 MATVEC_TARGET = "pddjax_matvec"  # one row times a stacked weight in place (native/matvec.cc; layers.InPlace)
+GEMM_TARGET = "pddjax_gemm"  # a few rows times a stacked weight in place (native/gemm.cc; layers.InPlace)
 _NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
-SOURCES = (os.path.join(_NATIVE, "paged_attention.cc"), os.path.join(_NATIVE, "matvec.cc"))
+SOURCES = tuple(os.path.join(_NATIVE, f) for f in ("paged_attention.cc", "matvec.cc", "gemm.cc"))
 HEADERS = (os.path.join(_NATIVE, "parallel.h"),)  # included by the sources: in the library's key too
 DTYPES = (jnp.float32, jnp.bfloat16)  # q and the pool; another dtype takes XLA's path
 
@@ -103,6 +104,7 @@ def _load() -> str | None:
         lib = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PddjaxPagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(lib.PddjaxMatvec), platform="cpu")
+        jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.PddjaxGemm), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
     return None
@@ -148,5 +150,16 @@ def matvec_native(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Arr
         raise RuntimeError(f"native kernels unavailable: {why}")
     layer = jnp.asarray(layer, jnp.int32).reshape(())  # []
     call = jax.ffi.ffi_call(MATVEC_TARGET, jax.ShapeDtypeStruct((1, w.shape[-1]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, w, layer)
+
+
+def gemm_native(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """x [M, K] float32 @ w[layer] (w [L, K, N] float32, read in place) -> [M, N] float32."""
+    why = _load()
+    if why is not None:
+        raise RuntimeError(f"native kernels unavailable: {why}")
+    layer = jnp.asarray(layer, jnp.int32).reshape(())  # []
+    call = jax.ffi.ffi_call(GEMM_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32),
                             vmap_method="sequential")
     return call(x, w, layer)

@@ -21,6 +21,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -98,7 +102,59 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// From this many query vectors in a task on, K is transposed once a page (below: one dot a slot).
+inline float hsum(v8f a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+inline float hmax(v8f a) {
+  float m = a[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, a[i]);
+  return m;
+}
+
+// The 8 sums of a[0..7]'s lanes, as lanes 0..7 of one vector.
+inline v8f hsum8(const v8f* a) {
+#if defined(__AVX__)
+  const __m256 h0 = _mm256_hadd_ps(__m256(a[0]), __m256(a[1])), h1 = _mm256_hadd_ps(__m256(a[2]), __m256(a[3]));
+  const __m256 h2 = _mm256_hadd_ps(__m256(a[4]), __m256(a[5])), h3 = _mm256_hadd_ps(__m256(a[6]), __m256(a[7]));
+  const __m256 lo = _mm256_hadd_ps(h0, h1), hi = _mm256_hadd_ps(h2, h3);  // [0 1 2 3 | 0 1 2 3] halves
+  return v8f(_mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
+#else
+  v8f r;
+  for (int i = 0; i < 8; ++i) r[i] = hsum(a[i]);
+  return r;
+#endif
+}
+
+// logits[x][s] = q[x] . K[s] for NQ (<= 4) query vectors (rows of q, stride D) and a page's first
+// `slots` slots of K as stored ([S, D], D in whole vectors): two slots at a time share the loads
+// of q, and the 2 * NQ running sums are added across lanes together.
+template <int NQ>
+inline void qk_dots(const float* q, const float* kp, int64_t D, int64_t slots, int64_t SP, float* logits) {
+  for (int64_t s = 0; s < slots; s += 2) {
+    const float* k0 = kp + s * D;
+    const float* k1 = s + 1 < slots ? k0 + D : k0;
+    v8f a[8];
+    for (int i = 0; i < 8; ++i) a[i] = splat(0.0f);
+    for (int64_t d = 0; d < D; d += 8) {
+      v8f x0, x1;
+      std::memcpy(&x0, k0 + d, sizeof(v8f));
+      std::memcpy(&x1, k1 + d, sizeof(v8f));
+      for (int x = 0; x < NQ; ++x) {
+        v8f qv;
+        std::memcpy(&qv, q + x * D + d, sizeof(v8f));
+        a[2 * x] += qv * x0;
+        a[2 * x + 1] += qv * x1;
+      }
+    }
+    const v8f sums = hsum8(a);
+    for (int x = 0; x < NQ; ++x) {
+      logits[x * SP + s] = sums[2 * x];
+      if (s + 1 < slots) logits[x * SP + s + 1] = sums[2 * x + 1];
+    }
+  }
+}
+
+// From this many query vectors in a task on, K is transposed once a page (below: q . K as stored,
+// two slots at a time).
 constexpr int64_t TRANSPOSE_AT = 8;
 
 struct Problem {
@@ -135,23 +191,84 @@ inline void qk_block(const float* q, const float* kt, int64_t D, int64_t SP, int
     for (int v = 0; v < NV; ++v) std::memcpy(logits + x * SP + b + 8 * v, &a[x][v], sizeof(v8f));
 }
 
-// acc[x][d0 + 8v] += sum over the page's slots s of w[x][s] * V[s][d0 + 8v], for 4 query vectors.
-template <int NV>
+// acc[x][d0 + 8v] += sum over the page's slots s of w[x][s] * V[s][d0 + 8v], for NQ (<= 4) query
+// vectors.
+template <int NQ, int NV>
 inline void pv_block(const float* w, const float* vp, int64_t slots, int64_t D, int64_t SP, int64_t d0,
                      float* acc) {
-  v8f c[4][NV];
-  for (int x = 0; x < 4; ++x)
+  v8f c[NQ][NV];
+  for (int x = 0; x < NQ; ++x)
     for (int v = 0; v < NV; ++v) std::memcpy(&c[x][v], acc + x * D + d0 + 8 * v, sizeof(v8f));
   for (int64_t s = 0; s < slots; ++s) {
     v8f vv[NV];
     for (int v = 0; v < NV; ++v) std::memcpy(&vv[v], vp + s * D + d0 + 8 * v, sizeof(v8f));
-    for (int x = 0; x < 4; ++x) {
+    for (int x = 0; x < NQ; ++x) {
       const float ws = w[x * SP + s];
       for (int v = 0; v < NV; ++v) c[x][v] += ws * vv[v];
     }
   }
-  for (int x = 0; x < 4; ++x)
+  for (int x = 0; x < NQ; ++x)
     for (int v = 0; v < NV; ++v) std::memcpy(acc + x * D + d0 + 8 * v, &c[x][v], sizeof(v8f));
+}
+
+// The page's V into the sums of query vectors x0 .. x0 + nq (nq <= 4), D in whole vectors.
+template <int NQ>
+inline void pv_rows(const float* w, const float* vp, int64_t slots, int64_t D, int64_t SP, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= D; d0 += 16) pv_block<NQ, 2>(w, vp, slots, D, SP, d0, acc);
+  for (; d0 < D; d0 += 8) pv_block<NQ, 1>(w, vp, slots, D, SP, d0, acc);
+}
+
+inline void pv_tile(int64_t nq, const float* w, const float* vp, int64_t slots, int64_t D, int64_t SP,
+                    float* acc) {
+  switch (nq) {
+    case 1: return pv_rows<1>(w, vp, slots, D, SP, acc);
+    case 2: return pv_rows<2>(w, vp, slots, D, SP, acc);
+    case 3: return pv_rows<3>(w, vp, slots, D, SP, acc);
+    default: return pv_rows<4>(w, vp, slots, D, SP, acc);
+  }
+}
+
+inline void qk_tile(int64_t nq, const float* q, const float* kp, int64_t D, int64_t slots, int64_t SP,
+                    float* logits) {
+  switch (nq) {
+    case 1: return qk_dots<1>(q, kp, D, slots, SP, logits);
+    case 2: return qk_dots<2>(q, kp, D, slots, SP, logits);
+    case 3: return qk_dots<3>(q, kp, D, slots, SP, logits);
+    default: return qk_dots<4>(q, kp, D, slots, SP, logits);
+  }
+}
+
+// One query vector's running softmax over a page: its logits lx [SP] scaled, the slots it does not
+// see (from `seen` on) masked, the weights wx = e^(logit - max) written, and its max m, sum l and
+// sums acc [D] rescaled when the max grows.
+inline void softmax_page(float* lx, float* wx, int64_t seen, int64_t SP, float scale, float& m, float& l,
+                         float* acc, int64_t D) {
+  const v8f lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  v8f top = splat(-INFINITY);
+  for (int64_t b = 0; b < SP; b += 8) {
+    v8f z;
+    std::memcpy(&z, lx + b, sizeof(z));
+    z = lane + float(b) < splat(float(seen)) ? z * scale : splat(-INFINITY);
+    std::memcpy(lx + b, &z, sizeof(z));
+    top = top > z ? top : z;
+  }
+  const float m_new = std::max(m, hmax(top));
+  v8f sum = splat(0.0f);
+  for (int64_t b = 0; b < SP; b += 8) {
+    v8f z;
+    std::memcpy(&z, lx + b, sizeof(z));
+    z = vexp(z - m_new);
+    std::memcpy(wx + b, &z, sizeof(z));
+    sum += z;
+  }
+  if (m_new > m) {  // the sums so far were against a smaller max (none yet on the first page: m = -inf)
+    const float keep = std::exp(m - m_new);
+    for (int64_t d = 0; d < D; ++d) acc[d] *= keep;
+    l *= keep;
+    m = m_new;
+  }
+  l += hsum(sum);
 }
 
 // Query tokens [begin, end) of one row against one KV head's pages, a page at a time: the page's
@@ -168,9 +285,20 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
   const int64_t n4 = (n + 3) / 4 * 4;  // rows padded to blocks of 4 (zeros)
   const int64_t SP = (S + 7) / 8 * 8;  // a page's slots, padded to whole vectors
   const bool transposed = vec && n >= TRANSPOSE_AT;  // K transposed once a page: blocked q.K
-  std::vector<float> qv(n4 * D, 0.0f), acc(n4 * D, 0.0f), m(n, -INFINITY), l(n, 0.0f);
-  std::vector<float> kpage(p.kv_bf16 ? S * D : 0), vpage(p.kv_bf16 ? S * D : 0);
-  std::vector<float> logits(n4 * SP, 0.0f), w(n4 * SP, 0.0f), kt(transposed ? D * SP : 0, 0.0f);
+  // one buffer for the task: q, acc [n4, D]; m, l [n]; logits, w [n4, SP]; K, V [S, D] (bfloat16); K^T [D, SP]
+  thread_local std::vector<float> scratch;
+  const int64_t kv_copy = p.kv_bf16 ? S * D : 0, kt_size = transposed ? D * SP : 0;
+  scratch.assign(2 * n4 * D + 2 * n + 2 * n4 * SP + 2 * kv_copy + kt_size, 0.0f);
+  float* qv = scratch.data();
+  float* acc = qv + n4 * D;
+  float* m = acc + n4 * D;
+  float* l = m + n;
+  float* logits = l + n;
+  float* w = logits + n4 * SP;
+  float* kpage = w + n4 * SP;
+  float* vpage = kpage + kv_copy;
+  float* kt = vpage + kv_copy;
+  std::fill(m, m + n, -INFINITY);
   for (int64_t i = 0; i < q_len; ++i)
     for (int64_t g = 0; g < G; ++g)
       load(p.q, p.q_bf16, ((q0 + i) * p.num_heads + kv_head * G + g) * D, D, &qv[(i * G + g) * D]);
@@ -193,64 +321,44 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
     const float* kp;
     const float* vp;
     if (p.kv_bf16) {
-      load(p.k, true, head_offset + page * S * D, in_page * D, kpage.data());
-      load(p.v, true, head_offset + page * S * D, in_page * D, vpage.data());
-      kp = kpage.data();
-      vp = vpage.data();
+      load(p.k, true, head_offset + page * S * D, in_page * D, kpage);
+      load(p.v, true, head_offset + page * S * D, in_page * D, vpage);
+      kp = kpage;
+      vp = vpage;
     } else {
       kp = static_cast<const float*>(p.k) + head_offset + page * S * D;
       vp = static_cast<const float*>(p.v) + head_offset + page * S * D;
     }
+    // the query vectors that see some of this page: x < live (later tokens see more)
+    const int64_t live = std::min<int64_t>(n, std::max<int64_t>(0, q_len - std::max<int64_t>(0, j * S - first)) * G);
+    const int64_t skip = n - live;  // the first `skip` vectors are before the page
+    if (live <= 0) continue;
     if (transposed) {
       for (int64_t s = 0; s < SP; ++s)
         for (int64_t d = 0; d < D; ++d) kt[d * SP + s] = s < in_page ? kp[s * D + d] : 0.0f;
-      for (int64_t x = 0; x < n4; x += 4)
+      for (int64_t x = skip / 4 * 4; x < n4; x += 4)
         for (int64_t b = 0; b < SP; b += 8 * (SP % 16 == 0 ? 2 : 1)) {
           if (SP % 16 == 0)
-            qk_block<2>(&qv[x * D], kt.data(), D, SP, b, &logits[x * SP]);
+            qk_block<2>(&qv[x * D], kt, D, SP, b, &logits[x * SP]);
           else
-            qk_block<1>(&qv[x * D], kt.data(), D, SP, b, &logits[x * SP]);
+            qk_block<1>(&qv[x * D], kt, D, SP, b, &logits[x * SP]);
         }
+    } else if (vec) {
+      for (int64_t x = skip; x < n; x += 4) qk_tile(std::min<int64_t>(4, n - x), &qv[x * D], kp, D, in_page, SP,
+                                                    &logits[x * SP]);
     } else {
-      for (int64_t x = 0; x < n; ++x)
+      for (int64_t x = skip; x < n; ++x)
         for (int64_t s = 0; s < in_page; ++s) logits[x * SP + s] = dot(&qv[x * D], kp + s * D, D);
     }
-    for (int64_t x = 0; x < n; ++x) {
-      float* lx = &logits[x * SP];
-      float* wx = &w[x * SP];
+    for (int64_t x = skip; x < n; ++x) {
       const int64_t seen = std::min<int64_t>(in_page, first + x / G - j * S + 1);
-      if (seen <= 0) {  // this page is after the query's position: nothing of it counts
-        std::fill(wx, wx + SP, 0.0f);
-        continue;
-      }
-      float top = -INFINITY;
-      for (int64_t s = 0; s < seen; ++s) top = std::max(top, lx[s] *= p.scale);
-      for (int64_t s = seen; s < SP; ++s) lx[s] = -INFINITY;
-      const float m_new = std::max(m[x], top);
-      const float keep = std::exp(m[x] - m_new);  // exp(-inf) = 0 on the query's first page
-      float sum = 0.0f;
-      for (int64_t b = 0; b < SP; b += 8) {
-        v8f z;
-        std::memcpy(&z, lx + b, sizeof(z));
-        z = vexp(z - m_new);
-        std::memcpy(wx + b, &z, sizeof(z));
-      }
-      for (int64_t s = 0; s < seen; ++s) sum += wx[s];
-      float* ax = &acc[x * D];
-      for (int64_t d = 0; d < D; ++d) ax[d] *= keep;
-      m[x] = m_new;
-      l[x] = l[x] * keep + sum;
+      softmax_page(&logits[x * SP], &w[x * SP], seen, SP, p.scale, m[x], l[x], &acc[x * D], D);
     }
     if (vec) {
-      for (int64_t x = 0; x < n4; x += 4)
-        for (int64_t d0 = 0; d0 < D; d0 += 8 * (D % 16 == 0 ? 2 : 1)) {
-          if (D % 16 == 0)
-            pv_block<2>(&w[x * SP], vp, in_page, D, SP, d0, &acc[x * D]);
-          else
-            pv_block<1>(&w[x * SP], vp, in_page, D, SP, d0, &acc[x * D]);
-        }
+      for (int64_t x = skip; x < n; x += 4)
+        pv_tile(std::min<int64_t>(4, n - x), &w[x * SP], vp, in_page, D, SP, &acc[x * D]);
     } else {
-      for (int64_t x = 0; x < n; ++x)
+      for (int64_t x = skip; x < n; ++x)
         for (int64_t s = 0; s < in_page; ++s)
           for (int64_t d = 0; d < D; ++d) acc[x * D + d] += w[x * SP + s] * vp[s * D + d];
     }
