@@ -13,7 +13,10 @@
 // Result: out [T, H, D] in q's dtype; tokens outside every row (padding) are zeros.
 // Query i of row r sits at position kv_lens[r] - q_len + i and sees KV positions 0..that one.
 // Work is split by (a row's query tokens in blocks of BLOCK, KV head) over XLA's intra-op thread
-// pool (parallel.h).
+// pool (parallel.h). Per page: q . K with K as stored, 4 query vectors x 2 slots at a time (the 8
+// sums added across lanes together); a vectorised running softmax; p . V blocked 4 query vectors
+// x 16 head dims. The page's V is requested while its K is read, and the next page's K while its V
+// is: scattered 4 KB pages are read at the memory's pace only with two streams in flight.
 
 #include <algorithm>
 #include <cmath>
@@ -128,8 +131,11 @@ inline v8f hsum8(const v8f* a) {
 // `slots` slots of K as stored ([S, D], D in whole vectors): two slots at a time share the loads
 // of q, and the 2 * NQ running sums are added across lanes together.
 template <int NQ>
-inline void qk_dots(const float* q, const float* kp, int64_t D, int64_t slots, int64_t SP, float* logits) {
+inline void qk_dots(const float* q, const float* kp, int64_t D, int64_t slots, int64_t SP, float* logits,
+                    const float* pf) {
   for (int64_t s = 0; s < slots; s += 2) {
+    if (pf != nullptr)  // the same slots of another stream (the page's V) requested alongside
+      for (int64_t b = 0; b < 2 * D; b += 16) __builtin_prefetch(pf + s * D + b);
     const float* k0 = kp + s * D;
     const float* k1 = s + 1 < slots ? k0 + D : k0;
     v8f a[8];
@@ -153,9 +159,6 @@ inline void qk_dots(const float* q, const float* kp, int64_t D, int64_t slots, i
   }
 }
 
-// From this many query vectors in a task on, K is transposed once a page (below: q . K as stored,
-// two slots at a time).
-constexpr int64_t TRANSPOSE_AT = 8;
 
 struct Problem {
   const void* q;
@@ -171,25 +174,6 @@ struct Problem {
   const int32_t* tables;
   float scale;
 };
-
-// logits[x][b + 8v] for 4 query vectors x (rows of q, stride D) and NV vectors of slots from b,
-// against K transposed ([D, SP]): per d, NV loads of K and 4 broadcasts feed 4 * NV products.
-template <int NV>
-inline void qk_block(const float* q, const float* kt, int64_t D, int64_t SP, int64_t b, float* logits) {
-  v8f a[4][NV];
-  for (int x = 0; x < 4; ++x)
-    for (int v = 0; v < NV; ++v) a[x][v] = splat(0.0f);
-  for (int64_t d = 0; d < D; ++d) {
-    v8f k[NV];
-    for (int v = 0; v < NV; ++v) std::memcpy(&k[v], kt + d * SP + b + 8 * v, sizeof(v8f));
-    for (int x = 0; x < 4; ++x) {
-      const float qs = q[x * D + d];
-      for (int v = 0; v < NV; ++v) a[x][v] += qs * k[v];
-    }
-  }
-  for (int x = 0; x < 4; ++x)
-    for (int v = 0; v < NV; ++v) std::memcpy(logits + x * SP + b + 8 * v, &a[x][v], sizeof(v8f));
-}
 
 // acc[x][d0 + 8v] += sum over the page's slots s of w[x][s] * V[s][d0 + 8v], for NQ (<= 4) query
 // vectors.
@@ -213,29 +197,32 @@ inline void pv_block(const float* w, const float* vp, int64_t slots, int64_t D, 
 
 // The page's V into the sums of query vectors x0 .. x0 + nq (nq <= 4), D in whole vectors.
 template <int NQ>
-inline void pv_rows(const float* w, const float* vp, int64_t slots, int64_t D, int64_t SP, float* acc) {
+inline void pv_rows(const float* w, const float* vp, int64_t slots, int64_t D, int64_t SP, float* acc,
+                    const float* pf) {
+  if (pf != nullptr)  // the next page's K requested while this page's V is read
+    for (int64_t b = 0; b < slots * D; b += 16) __builtin_prefetch(pf + b);
   int64_t d0 = 0;
   for (; d0 + 16 <= D; d0 += 16) pv_block<NQ, 2>(w, vp, slots, D, SP, d0, acc);
   for (; d0 < D; d0 += 8) pv_block<NQ, 1>(w, vp, slots, D, SP, d0, acc);
 }
 
 inline void pv_tile(int64_t nq, const float* w, const float* vp, int64_t slots, int64_t D, int64_t SP,
-                    float* acc) {
+                    float* acc, const float* pf) {
   switch (nq) {
-    case 1: return pv_rows<1>(w, vp, slots, D, SP, acc);
-    case 2: return pv_rows<2>(w, vp, slots, D, SP, acc);
-    case 3: return pv_rows<3>(w, vp, slots, D, SP, acc);
-    default: return pv_rows<4>(w, vp, slots, D, SP, acc);
+    case 1: return pv_rows<1>(w, vp, slots, D, SP, acc, pf);
+    case 2: return pv_rows<2>(w, vp, slots, D, SP, acc, pf);
+    case 3: return pv_rows<3>(w, vp, slots, D, SP, acc, pf);
+    default: return pv_rows<4>(w, vp, slots, D, SP, acc, pf);
   }
 }
 
 inline void qk_tile(int64_t nq, const float* q, const float* kp, int64_t D, int64_t slots, int64_t SP,
-                    float* logits) {
+                    float* logits, const float* pf) {
   switch (nq) {
-    case 1: return qk_dots<1>(q, kp, D, slots, SP, logits);
-    case 2: return qk_dots<2>(q, kp, D, slots, SP, logits);
-    case 3: return qk_dots<3>(q, kp, D, slots, SP, logits);
-    default: return qk_dots<4>(q, kp, D, slots, SP, logits);
+    case 1: return qk_dots<1>(q, kp, D, slots, SP, logits, pf);
+    case 2: return qk_dots<2>(q, kp, D, slots, SP, logits, pf);
+    case 3: return qk_dots<3>(q, kp, D, slots, SP, logits, pf);
+    default: return qk_dots<4>(q, kp, D, slots, SP, logits, pf);
   }
 }
 
@@ -284,11 +271,10 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
   const bool vec = D % 8 == 0;  // head size in whole vectors: the blocked products
   const int64_t n4 = (n + 3) / 4 * 4;  // rows padded to blocks of 4 (zeros)
   const int64_t SP = (S + 7) / 8 * 8;  // a page's slots, padded to whole vectors
-  const bool transposed = vec && n >= TRANSPOSE_AT;  // K transposed once a page: blocked q.K
-  // one buffer for the task: q, acc [n4, D]; m, l [n]; logits, w [n4, SP]; K, V [S, D] (bfloat16); K^T [D, SP]
+  // one buffer for the task: q, acc [n4, D]; m, l [n]; logits, w [n4, SP]; K, V [S, D] (bfloat16)
   thread_local std::vector<float> scratch;
-  const int64_t kv_copy = p.kv_bf16 ? S * D : 0, kt_size = transposed ? D * SP : 0;
-  scratch.assign(2 * n4 * D + 2 * n + 2 * n4 * SP + 2 * kv_copy + kt_size, 0.0f);
+  const int64_t kv_copy = p.kv_bf16 ? S * D : 0;
+  scratch.assign(2 * n4 * D + 2 * n + 2 * n4 * SP + 2 * kv_copy, 0.0f);
   float* qv = scratch.data();
   float* acc = qv + n4 * D;
   float* m = acc + n4 * D;
@@ -297,7 +283,6 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
   float* w = logits + n4 * SP;
   float* kpage = w + n4 * SP;
   float* vpage = kpage + kv_copy;
-  float* kt = vpage + kv_copy;
   std::fill(m, m + n, -INFINITY);
   for (int64_t i = 0; i < q_len; ++i)
     for (int64_t g = 0; g < G; ++g)
@@ -310,12 +295,20 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
   for (int64_t j = 0; j < pages; ++j) {
     const int64_t page = page_at(j);
     const int64_t in_page = std::min<int64_t>(S, kv_len - j * S);
-    if (j + 1 < pages) {  // the next page's K and V on their way while this one is computed
+    // float32: the page's V is requested alongside its K (q . K), the next page's K alongside this
+    // page's V (p . V): two streams in flight at once, which scattered pages need to be read at the
+    // memory's pace. bfloat16 (copied to float32 first): the next page's K and V requested at once.
+    const float* next_k = nullptr;
+    if (j + 1 < pages) {
       const int64_t next = page_at(j + 1);
-      const int64_t bytes = S * D * (p.kv_bf16 ? 2 : 4), at = (head_offset + next * S * D) * (p.kv_bf16 ? 2 : 4);
-      for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(static_cast<const char*>(p.k) + at + b);
-        __builtin_prefetch(static_cast<const char*>(p.v) + at + b);
+      if (!p.kv_bf16) {
+        next_k = static_cast<const float*>(p.k) + head_offset + next * S * D;
+      } else {
+        const int64_t bytes = S * D * 2, at = (head_offset + next * S * D) * 2;
+        for (int64_t b = 0; b < bytes; b += 64) {
+          __builtin_prefetch(static_cast<const char*>(p.k) + at + b);
+          __builtin_prefetch(static_cast<const char*>(p.v) + at + b);
+        }
       }
     }
     const float* kp;
@@ -333,19 +326,10 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
     const int64_t live = std::min<int64_t>(n, std::max<int64_t>(0, q_len - std::max<int64_t>(0, j * S - first)) * G);
     const int64_t skip = n - live;  // the first `skip` vectors are before the page
     if (live <= 0) continue;
-    if (transposed) {
-      for (int64_t s = 0; s < SP; ++s)
-        for (int64_t d = 0; d < D; ++d) kt[d * SP + s] = s < in_page ? kp[s * D + d] : 0.0f;
-      for (int64_t x = skip / 4 * 4; x < n4; x += 4)
-        for (int64_t b = 0; b < SP; b += 8 * (SP % 16 == 0 ? 2 : 1)) {
-          if (SP % 16 == 0)
-            qk_block<2>(&qv[x * D], kt, D, SP, b, &logits[x * SP]);
-          else
-            qk_block<1>(&qv[x * D], kt, D, SP, b, &logits[x * SP]);
-        }
-    } else if (vec) {
-      for (int64_t x = skip; x < n; x += 4) qk_tile(std::min<int64_t>(4, n - x), &qv[x * D], kp, D, in_page, SP,
-                                                    &logits[x * SP]);
+    if (vec) {
+      for (int64_t x = skip; x < n; x += 4)
+        qk_tile(std::min<int64_t>(4, n - x), &qv[x * D], kp, D, in_page, SP, &logits[x * SP],
+                x == skip && !p.kv_bf16 ? vp : nullptr);
     } else {
       for (int64_t x = skip; x < n; ++x)
         for (int64_t s = 0; s < in_page; ++s) logits[x * SP + s] = dot(&qv[x * D], kp + s * D, D);
@@ -356,7 +340,7 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
     }
     if (vec) {
       for (int64_t x = skip; x < n; x += 4)
-        pv_tile(std::min<int64_t>(4, n - x), &w[x * SP], vp, in_page, D, SP, &acc[x * D]);
+        pv_tile(std::min<int64_t>(4, n - x), &w[x * SP], vp, in_page, D, SP, &acc[x * D], x == skip ? next_k : nullptr);
     } else {
       for (int64_t x = skip; x < n; ++x)
         for (int64_t s = 0; s < in_page; ++s)
