@@ -96,7 +96,11 @@ void column_block(const float* x, const float* w, float* y, int64_t M, int64_t K
         }
       }
     }
+    const int64_t next = std::min(KC, K - k0 - KC);  // the next block's rows, requested a share a panel
     for (int64_t p = 0; p < panels; ++p) {
+      if (pack && next > 0)
+        for (int64_t r = p * next / panels; r < (p + 1) * next / panels; ++r)
+          for (int64_t c = n0; c < n1; c += 16) __builtin_prefetch(w + (k0 + KC + r) * N + c);
       const int64_t c0 = n0 + p * NR, cols = std::min(NR, n1 - c0);
       const float* panel = pack ? &packed[size_t(p * KC * NR)] : w + k0 * N + c0;
       for (int64_t m = 0; m < M; m += MR)
