@@ -38,6 +38,8 @@ class Receiver(cluster_pb2_grpc.DecodeServicer):
     def __init__(self):
         self.stuck = False
         self.cancels: list[str] = []
+        self.chunks: dict[str, int] = {}  # request id -> chunks read
+        self.read_before_cancel: dict[str, int] = {}  # request id -> its chunks read when its cancel came
         self.streams = 0
 
     async def PushKVStream(self, request_iterator, context):
@@ -47,8 +49,10 @@ class Receiver(cluster_pb2_grpc.DecodeServicer):
         async for msg in request_iterator:
             if msg.WhichOneof("item") == "cancel":
                 self.cancels.append(msg.cancel)
+                self.read_before_cancel[msg.cancel] = self.chunks.get(msg.cancel, 0)
                 continue
             c = msg.chunk
+            self.chunks[c.request_id] = self.chunks.get(c.request_id, 0) + 1
             if c.request_id.startswith("slow"):
                 await asyncio.sleep(0.1 if c.request_id.startswith("slowest") else 0.02)
             if c.request_id == "abort":
@@ -59,12 +63,12 @@ class Receiver(cluster_pb2_grpc.DecodeServicer):
 
 
 @contextlib.asynccontextmanager
-async def _serving():
-    recv, server = Receiver(), grpc.aio.server()
+async def _serving(options=()):
+    recv, server = Receiver(), grpc.aio.server(options=list(options))
     cluster_pb2_grpc.add_DecodeServicer_to_server(recv, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=list(options))
     link = KVLink(cluster_pb2_grpc.DecodeStub(channel), f"127.0.0.1:{port}")
     try:
         yield recv, link
@@ -177,9 +181,12 @@ def test_a_stream_ended_by_the_receiver_ends_its_pushes_with_that_status():
 
 def test_a_cancel_goes_ahead_of_a_full_queue():
     """A push blocked on a full queue (the receiver reads slowly, the window is full) is cancelled:
-    the cancel is not dropped for want of room but sent before the queued chunks."""
+    the cancel is not dropped for want of room but sent before the queued chunks, which are never
+    sent. The window stays at grpc's initial 64 KB (no bandwidth-delay probing, which grew it on
+    loopback until 64 chunks of 256 KB fitted and the queue never filled), so the queue fills at once
+    and the receiver (100 ms a chunk) reaches the cancel after the few chunks already in flight."""
     async def main():
-        async with _serving() as (recv, link):
+        async with _serving(options=[("grpc.http2.bdp_probe", 0)]) as (recv, link):
             task = asyncio.create_task(link.push("slowest-q", _chunks("slowest-q", 64, 256 << 10), 20.0))
             for _ in range(250):
                 await asyncio.sleep(0.02)
@@ -190,15 +197,16 @@ def test_a_cancel_goes_ahead_of_a_full_queue():
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             after = await link.push("r5", _chunks("r5", 1, 1024), 10.0)  # on another stream, maybe first
-            for _ in range(500):  # the slow stream's reader reaches the cancel
+            for _ in range(1500):  # the slow stream's reader reaches the cancel
                 if recv.cancels:
                     break
                 await asyncio.sleep(0.02)
-            return full, recv.cancels, after
+            return full, recv.cancels, recv.read_before_cancel, after
 
-    full, cancels, after = asyncio.run(main())
+    full, cancels, read_before, after = asyncio.run(main())
     assert full, "the queue never filled"
     assert cancels == ["slowest-q"] and after.code == OK, (cancels, after)
+    assert read_before["slowest-q"] < 64, read_before  # the queued chunks were not sent before it
 
 
 def test_a_push_cancelled_on_p_tells_the_receiver():
