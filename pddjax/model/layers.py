@@ -76,9 +76,7 @@ def mm(x, w):
     if isinstance(w, InPlace):
         from pddjax.model.attention import native_paged
 
-        if x.shape[0] == 1:
-            return native_paged.matvec_native(x, w.stacked, w.i)
-        return native_paged.gemm_native(x, w.stacked, w.i)
+        return native_paged.product_in_place(x, w.stacked, w.i)
     return x @ w
 
 

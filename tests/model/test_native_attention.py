@@ -165,25 +165,34 @@ def test_few_row_product_reads_the_stacked_weight_in_place(rows, k, n):
         np.testing.assert_allclose(np.asarray(f(x, w, jnp.int32(i))), want, rtol=1e-4, atol=1e-4)
 
 
-def test_a_one_row_step_takes_the_in_place_products():
-    """The tiny model's forward at one token: the native path calls the one-row product (and no
-    layer slice of the four weights) and gives XLA's logits (float32 rounding, same argmax)."""
+def _tiny_forward_native_and_xla(max_q_len: int, batch_of):
+    """The tiny model's paged forward of batch_of(cfg) over a random 16-page pool, native and XLA
+    -> (the native program's HLO text, its logits, XLA's logits)."""
     from pddjax.kv.pool import KVPool
-    from pddjax.model.paged import PackedBatch, forward_paged
+    from pddjax.model.paged import forward_paged
     from pddjax.model.registry import load_model
     from pddjax.model.weights import for_engine
 
     m = load_model("tiny")
     cfg, w = m.config, jax.device_put(for_engine(m.weights, one_device=True))
-    pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, 16, 16, cfg.head_dim, "float32")
-    shape = pool.k.shape
+    shape = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, 16, 16, cfg.head_dim, "float32").k.shape
     pool = KVPool(jax.random.normal(jax.random.key(0), shape), jax.random.normal(jax.random.key(1), shape))
-    i32 = functools.partial(np.asarray, dtype=np.int32)
-    batch = PackedBatch(i32([7]), i32([20]), i32([2]), i32([4]), i32([0, 1]), i32([21]), i32([[1, 2, 0, 0]]), i32([0]))
-    got, want = (jax.jit(functools.partial(forward_paged, cfg=cfg, max_q_len=1, impl=impl))
+    batch = batch_of(cfg)
+    got, want = (jax.jit(functools.partial(forward_paged, cfg=cfg, max_q_len=max_q_len, impl=impl))
                  for impl in ("native", "xla"))
-    assert "pddjax_matvec" in got.lower(w, batch=batch, pool=pool).as_text()
-    a, b = np.asarray(got(w, batch=batch, pool=pool)[0]), np.asarray(want(w, batch=batch, pool=pool)[0])
+    text = got.lower(w, batch=batch, pool=pool).as_text()
+    return text, np.asarray(got(w, batch=batch, pool=pool)[0]), np.asarray(want(w, batch=batch, pool=pool)[0])
+
+
+def test_a_one_row_step_takes_the_in_place_products():
+    """The tiny model's forward at one token: the native path calls the one-row product (and no
+    layer slice of the four weights) and gives XLA's logits (float32 rounding, same argmax)."""
+    from pddjax.model.paged import PackedBatch
+
+    i32 = functools.partial(np.asarray, dtype=np.int32)
+    text, a, b = _tiny_forward_native_and_xla(1, lambda cfg: PackedBatch(
+        i32([7]), i32([20]), i32([2]), i32([4]), i32([0, 1]), i32([21]), i32([[1, 2, 0, 0]]), i32([0])))
+    assert "pddjax_matvec" in text
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     assert (a.argmax(-1) == b.argmax(-1)).all()
 
@@ -192,29 +201,19 @@ def test_a_one_row_step_takes_the_in_place_products():
 def test_a_step_of_few_tokens_takes_the_in_place_products(tokens, in_place):
     """The tiny model's forward with one row of `tokens` new tokens: up to IN_PLACE_MAX_TOKENS the
     native path runs the products in place (gemm), beyond it XLA's; the logits are XLA's either way."""
-    from pddjax.kv.pool import KVPool
     from pddjax.model import layers
-    from pddjax.model.paged import PackedBatch, forward_paged
-    from pddjax.model.registry import load_model
-    from pddjax.model.weights import for_engine
+    from pddjax.model.paged import PackedBatch
 
     assert (tokens <= layers.IN_PLACE_MAX_TOKENS) == in_place
-    m = load_model("tiny")
-    cfg, w = m.config, jax.device_put(for_engine(m.weights, one_device=True))
-    pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, 16, 16, cfg.head_dim, "float32")
-    shape = pool.k.shape
-    pool = KVPool(jax.random.normal(jax.random.key(0), shape), jax.random.normal(jax.random.key(1), shape))
     i32 = functools.partial(np.asarray, dtype=np.int32)
     ctx = 20  # KV positions before the new tokens; pages 1.. hold the row
     positions = ctx + np.arange(tokens)
     table = np.zeros((1, 8), np.int32)
     table[0, :-(-(ctx + tokens) // 16)] = 1 + np.arange(-(-(ctx + tokens) // 16))
-    batch = PackedBatch(i32(np.arange(tokens) % cfg.vocab_size), i32(positions), i32(1 + positions // 16),
-                        i32(positions % 16), i32([0, tokens]), i32([ctx + tokens]), table, i32([tokens - 1]))
-    got, want = (jax.jit(functools.partial(forward_paged, cfg=cfg, max_q_len=tokens, impl=impl))
-                 for impl in ("native", "xla"))
-    assert ("pddjax_gemm" in got.lower(w, batch=batch, pool=pool).as_text()) == in_place
-    a, b = np.asarray(got(w, batch=batch, pool=pool)[0]), np.asarray(want(w, batch=batch, pool=pool)[0])
+    text, a, b = _tiny_forward_native_and_xla(tokens, lambda cfg: PackedBatch(
+        i32(np.arange(tokens) % cfg.vocab_size), i32(positions), i32(1 + positions // 16), i32(positions % 16),
+        i32([0, tokens]), i32([ctx + tokens]), table, i32([tokens - 1])))
+    assert ("pddjax_gemm" in text) == in_place
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     assert (a.argmax(-1) == b.argmax(-1)).all()
 

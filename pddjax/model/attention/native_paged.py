@@ -39,7 +39,8 @@ MATVEC_TARGET = "pddjax_matvec"  # one row times a stacked weight in place (nati
 GEMM_TARGET = "pddjax_gemm"  # a few rows times a stacked weight in place (native/gemm.cc; layers.InPlace)
 _NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 SOURCES = tuple(os.path.join(_NATIVE, f) for f in ("paged_attention.cc", "matvec.cc", "gemm.cc"))
-HEADERS = (os.path.join(_NATIVE, "parallel.h"),)  # included by the sources: in the library's key too
+# included by the sources: in the library's key too
+HEADERS = tuple(os.path.join(_NATIVE, f) for f in ("parallel.h", "counts.h"))
 DTYPES = (jnp.float32, jnp.bfloat16)  # q and the pool; another dtype takes XLA's path
 
 
@@ -143,23 +144,14 @@ def paged_attention_native(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                 rows.page_tables.astype(jnp.int32), sm_scale=np.float32(rows.sm_scale))
 
 
-def matvec_native(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
-    """x [1, K] float32 @ w[layer] (w [L, K, N] float32, read in place) -> [1, N] float32."""
+def product_in_place(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """x [M, K] float32 @ w[layer] (w [L, K, N] float32, read in place) -> [M, N] float32: one row
+    through the one-row product (native/matvec.cc), more through native/gemm.cc."""
     why = _load()
     if why is not None:
         raise RuntimeError(f"native kernels unavailable: {why}")
     layer = jnp.asarray(layer, jnp.int32).reshape(())  # []
-    call = jax.ffi.ffi_call(MATVEC_TARGET, jax.ShapeDtypeStruct((1, w.shape[-1]), jnp.float32),
-                            vmap_method="sequential")
-    return call(x, w, layer)
-
-
-def gemm_native(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
-    """x [M, K] float32 @ w[layer] (w [L, K, N] float32, read in place) -> [M, N] float32."""
-    why = _load()
-    if why is not None:
-        raise RuntimeError(f"native kernels unavailable: {why}")
-    layer = jnp.asarray(layer, jnp.int32).reshape(())  # []
-    call = jax.ffi.ffi_call(GEMM_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32),
+    target = MATVEC_TARGET if x.shape[0] == 1 else GEMM_TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32),
                             vmap_method="sequential")
     return call(x, w, layer)

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "counts.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -57,18 +58,6 @@ void product(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64
   }
 }
 
-void product_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t kc,
-                  float* c, int64_t ldc, int64_t cols, bool add) {
-  switch (rows) {
-    case 1: return product<1>(x, ldx, panel, ldp, kc, c, ldc, cols, add);
-    case 2: return product<2>(x, ldx, panel, ldp, kc, c, ldc, cols, add);
-    case 3: return product<3>(x, ldx, panel, ldp, kc, c, ldc, cols, add);
-    case 4: return product<4>(x, ldx, panel, ldp, kc, c, ldc, cols, add);
-    case 5: return product<5>(x, ldx, panel, ldp, kc, c, ldc, cols, add);
-    default: return product<6>(x, ldx, panel, ldp, kc, c, ldc, cols, add);
-  }
-}
-
 // y[:, n0:n1] = x @ w[:, n0:n1], KC weight rows at a time (each block's sums added to y in
 // order, so a row's result does not depend on how many rows there are): the block's rows packed
 // into panels of NR columns (zeros past N), or read as stored when x has few rows, then every MR
@@ -104,8 +93,9 @@ void column_block(const float* x, const float* w, float* y, int64_t M, int64_t K
       const int64_t c0 = n0 + p * NR, cols = std::min(NR, n1 - c0);
       const float* panel = pack ? &packed[size_t(p * KC * NR)] : w + k0 * N + c0;
       for (int64_t m = 0; m < M; m += MR)
-        product_rows(std::min(MR, M - m), x + m * K + k0, K, panel, pack ? NR : N, kc, y + m * N + c0, N, cols,
-                     k0 > 0);
+        pddjax_native::with_count<MR>(M - m, [&](auto rows) {
+          product<decltype(rows)::value>(x + m * K + k0, K, panel, pack ? NR : N, kc, y + m * N + c0, N, cols, k0 > 0);
+        });
     }
   }
 }

@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #endif
 
+#include "counts.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -91,6 +92,8 @@ inline v8f vexp(v8f x) {
   return under > splat(0.0f) ? splat(0.0f) : y;
 }
 
+inline float hsum(v8f a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t d = 0;
   v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -100,12 +103,10 @@ inline float dot(const float* a, const float* b, int64_t n) {
     std::memcpy(&y, b + d, sizeof(y));
     acc += x * y;
   }
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  float s = hsum(acc);
   for (; d < n; ++d) s += a[d] * b[d];
   return s;
 }
-
-inline float hsum(v8f a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
 inline float hmax(v8f a) {
   float m = a[0];
@@ -160,20 +161,6 @@ inline void qk_dots(const float* q, const float* kp, int64_t D, int64_t slots, i
 }
 
 
-struct Problem {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* out;
-  bool q_bf16, kv_bf16;
-  int64_t num_tokens, num_heads, num_kv_heads, group, num_pages, page_size, head_dim, max_pages;
-  int64_t layer_offset;  // elements before the layer's [KH, P, S, D] block
-  int64_t num_rows;
-  const int32_t* cu;
-  const int32_t* kv_lens;
-  const int32_t* tables;
-  float scale;
-};
 
 // acc[x][d0 + 8v] += sum over the page's slots s of w[x][s] * V[s][d0 + 8v], for NQ (<= 4) query
 // vectors.
@@ -195,7 +182,7 @@ inline void pv_block(const float* w, const float* vp, int64_t slots, int64_t D, 
     for (int v = 0; v < NV; ++v) std::memcpy(acc + x * D + d0 + 8 * v, &c[x][v], sizeof(v8f));
 }
 
-// The page's V into the sums of query vectors x0 .. x0 + nq (nq <= 4), D in whole vectors.
+// The page's V into the sums of NQ (<= 4) query vectors, D in whole vectors.
 template <int NQ>
 inline void pv_rows(const float* w, const float* vp, int64_t slots, int64_t D, int64_t SP, float* acc,
                     const float* pf) {
@@ -204,26 +191,6 @@ inline void pv_rows(const float* w, const float* vp, int64_t slots, int64_t D, i
   int64_t d0 = 0;
   for (; d0 + 16 <= D; d0 += 16) pv_block<NQ, 2>(w, vp, slots, D, SP, d0, acc);
   for (; d0 < D; d0 += 8) pv_block<NQ, 1>(w, vp, slots, D, SP, d0, acc);
-}
-
-inline void pv_tile(int64_t nq, const float* w, const float* vp, int64_t slots, int64_t D, int64_t SP,
-                    float* acc, const float* pf) {
-  switch (nq) {
-    case 1: return pv_rows<1>(w, vp, slots, D, SP, acc, pf);
-    case 2: return pv_rows<2>(w, vp, slots, D, SP, acc, pf);
-    case 3: return pv_rows<3>(w, vp, slots, D, SP, acc, pf);
-    default: return pv_rows<4>(w, vp, slots, D, SP, acc, pf);
-  }
-}
-
-inline void qk_tile(int64_t nq, const float* q, const float* kp, int64_t D, int64_t slots, int64_t SP,
-                    float* logits, const float* pf) {
-  switch (nq) {
-    case 1: return qk_dots<1>(q, kp, D, slots, SP, logits, pf);
-    case 2: return qk_dots<2>(q, kp, D, slots, SP, logits, pf);
-    case 3: return qk_dots<3>(q, kp, D, slots, SP, logits, pf);
-    default: return qk_dots<4>(q, kp, D, slots, SP, logits, pf);
-  }
 }
 
 // One query vector's running softmax over a page: its logits lx [SP] scaled, the slots it does not
@@ -258,6 +225,21 @@ inline void softmax_page(float* lx, float* wx, int64_t seen, int64_t SP, float s
   l += hsum(sum);
 }
 
+struct Problem {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  bool q_bf16, kv_bf16;
+  int64_t num_tokens, num_heads, num_kv_heads, group, num_pages, page_size, head_dim, max_pages;
+  int64_t layer_offset;  // elements before the layer's [KH, P, S, D] block
+  int64_t num_rows;
+  const int32_t* cu;
+  const int32_t* kv_lens;
+  const int32_t* tables;
+  float scale;
+};
+
 // Query tokens [begin, end) of one row against one KV head's pages, a page at a time: the page's
 // logits for every query vector, a running softmax per vector, then the page's V into the sums.
 void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t kv_head) {
@@ -269,19 +251,18 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
   if (kv_len <= 0 || first + q_len <= 0) return;
   const int64_t n = q_len * G;  // query vectors: x = i * G + g
   const bool vec = D % 8 == 0;  // head size in whole vectors: the blocked products
-  const int64_t n4 = (n + 3) / 4 * 4;  // rows padded to blocks of 4 (zeros)
   const int64_t SP = (S + 7) / 8 * 8;  // a page's slots, padded to whole vectors
-  // one buffer for the task: q, acc [n4, D]; m, l [n]; logits, w [n4, SP]; K, V [S, D] (bfloat16)
+  // one buffer for the task: q, acc [n, D]; m, l [n]; logits, w [n, SP]; K, V [S, D] (bfloat16)
   thread_local std::vector<float> scratch;
   const int64_t kv_copy = p.kv_bf16 ? S * D : 0;
-  scratch.assign(2 * n4 * D + 2 * n + 2 * n4 * SP + 2 * kv_copy, 0.0f);
+  scratch.assign(2 * n * D + 2 * n + 2 * n * SP + 2 * kv_copy, 0.0f);
   float* qv = scratch.data();
-  float* acc = qv + n4 * D;
-  float* m = acc + n4 * D;
+  float* acc = qv + n * D;
+  float* m = acc + n * D;
   float* l = m + n;
   float* logits = l + n;
-  float* w = logits + n4 * SP;
-  float* kpage = w + n4 * SP;
+  float* w = logits + n * SP;
+  float* kpage = w + n * SP;
   float* vpage = kpage + kv_copy;
   std::fill(m, m + n, -INFINITY);
   for (int64_t i = 0; i < q_len; ++i)
@@ -322,14 +303,15 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
       kp = static_cast<const float*>(p.k) + head_offset + page * S * D;
       vp = static_cast<const float*>(p.v) + head_offset + page * S * D;
     }
-    // the query vectors that see some of this page: x < live (later tokens see more)
-    const int64_t live = std::min<int64_t>(n, std::max<int64_t>(0, q_len - std::max<int64_t>(0, j * S - first)) * G);
-    const int64_t skip = n - live;  // the first `skip` vectors are before the page
-    if (live <= 0) continue;
+    // the first `skip` query vectors are before this page (later tokens see more)
+    const int64_t skip = std::min<int64_t>(n, std::max<int64_t>(0, j * S - first) * G);
+    if (skip == n) continue;
     if (vec) {
       for (int64_t x = skip; x < n; x += 4)
-        qk_tile(std::min<int64_t>(4, n - x), &qv[x * D], kp, D, in_page, SP, &logits[x * SP],
-                x == skip && !p.kv_bf16 ? vp : nullptr);
+        pddjax_native::with_count<4>(n - x, [&](auto nq) {
+          qk_dots<decltype(nq)::value>(&qv[x * D], kp, D, in_page, SP, &logits[x * SP],
+                                       x == skip && !p.kv_bf16 ? vp : nullptr);
+        });
     } else {
       for (int64_t x = skip; x < n; ++x)
         for (int64_t s = 0; s < in_page; ++s) logits[x * SP + s] = dot(&qv[x * D], kp + s * D, D);
@@ -340,7 +322,9 @@ void attend(const Problem& p, int64_t row, int64_t begin, int64_t end, int64_t k
     }
     if (vec) {
       for (int64_t x = skip; x < n; x += 4)
-        pv_tile(std::min<int64_t>(4, n - x), &w[x * SP], vp, in_page, D, SP, &acc[x * D], x == skip ? next_k : nullptr);
+        pddjax_native::with_count<4>(n - x, [&](auto nq) {
+          pv_rows<decltype(nq)::value>(&w[x * SP], vp, in_page, D, SP, &acc[x * D], x == skip ? next_k : nullptr);
+        });
     } else {
       for (int64_t x = skip; x < n; ++x)
         for (int64_t s = 0; s < in_page; ++s)
