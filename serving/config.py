@@ -30,6 +30,8 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
                               # role), main_wan (MD as cluster A reaches it, parallel to main),
                               # relay_kv (RLD as P reaches it with KV, parallel to relay);
                               # handoff ("auto" | "one-shot" | "chunked"), handoff_threshold,
+                              # give_up_main = true: MD is given up for a pdd request predicted
+                              # to end on RLD before the stream could switch (serving/router/give_up.py),
                               # chunk_bytes; auto policy: ttft_budget_ms, filter_cap, filter_window,
                               # drift_tolerance, *_prior estimates; health_interval_s/_timeout_s;
                               # the link to each MD: wan_mbps = its provisioned A -> B capacity
@@ -85,6 +87,8 @@ class RouterSettings:
     relay_kv: list[str] = dataclasses.field(default_factory=list)  # RLD as P reaches it with KV (parallel to relay)
     handoff: str = "auto"  # "auto" (chunked while more than the threshold is pending) | "one-shot" | "chunked"
     handoff_threshold: int = _POLICY.handoff_threshold
+    give_up_main: bool = True  # pdd: no handoff (or stop it) when the request ends on RLD before the switch
+    handoff_switch_prior_s: float = 0.0  # give_up_main: the switch time assumed before an MD's first (0: none)
     tool_parser: str = ""  # the tool-call syntax ("hermes" | "llama3" | "mistral"); "": the chat template's
     chunk_bytes: int = 2 * 1024 * 1024
     ttft_budget_ms: float = _POLICY.ttft_budget_s * 1e3  # auto: pd-cross when MD's KV delta arrives within this
@@ -133,6 +137,9 @@ class RouterSettings:
             raise UserError(f"[router] stream_interval must be in 1..{MAX_STREAM_INTERVAL} tokens and "
                             f"stream_interval_ms in 0..{MAX_STREAM_INTERVAL_MS}, got {self.stream_interval} "
                             f"and {self.stream_interval_ms}")
+        if not isinstance(self.give_up_main, bool) or not 0 <= float(self.handoff_switch_prior_s) < float("inf"):
+            raise UserError(f"[router] give_up_main must be true or false and handoff_switch_prior_s a finite "
+                            f"number >= 0, got {self.give_up_main!r} and {self.handoff_switch_prior_s!r}")
         for key in ("kv_wire", "relay_kv_wire"):
             if getattr(self, key) not in KV_WIRE_FORMATS:
                 raise UserError(f"{'[wan] kv_wire' if key == 'kv_wire' else '[router] relay_kv_wire'} must be one of "

@@ -44,6 +44,7 @@ from pddjax.kv import codec
 from pddjax.policy import Ewma, LinkEstimator
 from serving.pb import cluster_pb2
 from serving.router import pools
+from serving.router.give_up import SwitchClock
 
 if TYPE_CHECKING:
     from serving.config import RouterSettings
@@ -61,8 +62,10 @@ class Estimates:
         self.wan_mbps_prior = self.capacity_mbps or settings.wan_mbps_prior
         self.wan_latency_s_prior = settings.wan_latency_ms_prior / 1e3
         self.relay_tokens_per_s_prior = settings.rld_tokens_per_s_prior
+        self.switch_prior_s = settings.handoff_switch_prior_s
         self.links: dict[str, LinkEstimator] = {}  # by MD address
         self.relay_speed: dict[str, Ewma] = {}  # by RLD address, tokens/s of one request
+        self.switch_clocks: dict[str, SwitchClock] = {}  # by MD address: handoff start -> switch (give_up.py)
         self.probes: dict[str, asyncio.Task] = {}  # by MD address: the probe running or last run
         self.probed: dict[str, dict] = {}  # by MD address: what the last probe measured (Stats)
         self.measured: set[str] = set()  # MD addresses whose first probe has ended (either way)
@@ -82,6 +85,12 @@ class Estimates:
         return self.relay_speed.setdefault(relay.address, Ewma(self.relay_tokens_per_s_prior))
 
     # ---- the KV wire format per target ---------------------------------------------------
+    def switch_clock(self, main: Instance) -> SwitchClock:
+        clock = self.switch_clocks.get(main.address)
+        if clock is None:
+            clock = self.switch_clocks[main.address] = SwitchClock(self.switch_prior_s)
+        return clock
+
     async def wire_format(self, target: Instance) -> str:
         """The configured KV wire format for `target`'s role if the target declared it (its
         Info's kv_wire_formats), else native (logged once per target and format)."""
@@ -199,5 +208,6 @@ class Estimates:
                               "probe": self.probed.get(a)}
                           for a, lk in self.links.items()},
                 "rld_tokens_per_s": {a: e.value for a, e in self.relay_speed.items()},
+                "handoff_switch": {a: c.stats() for a, c in self.switch_clocks.items()},
                 "kv_wire": {**self.kv_wire, "ratios": {f: {"ratio": e.value, "samples": e.samples}
                                                        for f, e in self.wire_ratio.items()}}}

@@ -9,6 +9,8 @@
   pddjax_router_pipeline_total{pipeline,reason} pipelines chosen (the final one: a fallback
                                                 counts as its own reason, e.g. main-full)
   pddjax_router_handoffs_total{mode}            RLD -> MD handoffs done (one-shot | chunked)
+  pddjax_router_main_given_up_total{when}       pdd requests whose MD was given up (skipped: no
+                                                handoff; stopped: the running one cancelled)
   pddjax_router_failures_total{code,stage}      failed requests by gRPC code and stage
                                                 (admission, plan, reserve, prefill, relay, main, stream)
   pddjax_router_wan_bytes_total                 KV bytes A -> B (P's transfer_done to MD, background syncs too)
@@ -47,6 +49,8 @@ class RouterMetrics:
         self.pipelines = Counter("pddjax_router_pipeline", "pipelines chosen, by pipeline and reason",
                                  ["pipeline", "reason"], registry=r)
         self.handoffs = Counter("pddjax_router_handoffs", "RLD -> MD handoffs done, by mode", ["mode"], registry=r)
+        self.given_up = Counter("pddjax_router_main_given_up", "pdd requests whose MD was given up (they end on "
+                                "RLD before the switch), by when", ["when"], registry=r)
         self.failures = Counter("pddjax_router_failures", "failed requests, by gRPC code and stage", ["code", "stage"],
                                 registry=r)
         self.wan = Counter("pddjax_router_wan_bytes", "KV bytes sent A -> B (P's transfers to MD)", registry=r)
@@ -65,8 +69,8 @@ class RouterMetrics:
 
     def attach(self, registry: CollectorRegistry) -> None:
         """The same collectors join `registry` too (the service's, served on its /metrics)."""
-        for c in (self.ttft, self.itl, self.inflight, self.queue_depth, self.pipelines, self.handoffs, self.failures,
-                  self.wan, self.completed, self.queued, self.handoff_gap, self.links):
+        for c in (self.ttft, self.itl, self.inflight, self.queue_depth, self.pipelines, self.handoffs, self.given_up,
+                  self.failures, self.wan, self.completed, self.queued, self.handoff_gap, self.links):
             registry.register(c)
         self.registry = registry
 
@@ -76,6 +80,9 @@ class RouterMetrics:
 
     def handoff(self, chunks: int) -> None:
         self.handoffs.labels("chunked" if chunks > 1 else "one-shot").inc()
+
+    def gave_up(self, when: str) -> None:
+        self.given_up.labels(when).inc()
 
     def failed(self, code_name: str, stage: str) -> None:
         self.failures.labels(code_name, stage or "unknown").inc()

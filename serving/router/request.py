@@ -155,6 +155,9 @@ class Request:
     handoff_at: int | None = None  # output position where the stream switched from RLD to MD
     handoff_tokens: int = 0  # as RLD's Handoff answered
     handoff_chunks: int = 0
+    handoff_t0: float = 0.0  # perf_counter when RLD's Handoff was called (0: not called)
+    handoff_task: asyncio.Task | None = None  # that call (cancelled when MD is given up)
+    main_given_up: str = ""  # "skipped" (no handoff) | "stopped" (handoff cancelled): give_up.py
     relay_t0: float = 0.0  # first and last relay batch (perf_counter): RLD's measured speed
     relay_t1: float = 0.0
     relay_after: int = 0  # relay tokens after the first batch
@@ -242,6 +245,8 @@ class Request:
         switched = State.RELAY_STREAMING in path and State.MAIN_STREAMING in path
         assert (self.handoff_at is not None) == switched, (self.handoff_at, [s.name for s in path])
         assert self.handoff_at is None or self.pipeline == common_pb2.PIPELINE_PDD, "a handoff outside pdd"
+        assert not self.main_given_up or (self.main is not None and self.handoff_at is None), "MD given up, then used"
+        assert self.main_given_up != "stopped" or self.handoff_t0, "a handoff stopped that never started"
         assert not self.tokens or streamed, "tokens before the stream opened"
         assert self.link is None or self.main is not None, "a link booking without MD"
         assert not self.main_kv_ok or self.main_kv.is_set(), "MD's KV delivered but not reported"

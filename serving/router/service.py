@@ -189,7 +189,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 expiry = asyncio.get_running_loop().call_later(r.deadline.remaining(), expire, r.relay_out, r.main_out)
             await self.transfers.open(r)
             out = Output(r, self.tok, req.stop_strings, self.m, lambda: self._relay_done(r),
-                         lambda hold: _hold_relay(r, hold))
+                         lambda hold: _hold_relay(r, hold), lambda: self.transfers.stop_handoff(r))
             async for msg in out.messages():
                 if msg.finish_reason:
                     self._settle(r)
@@ -201,6 +201,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _relay_done(self, r: Request) -> None:
         """The stream moved to MD: RLD (decoding on until now) stops and frees the request."""
+        self.transfers.learn_handoff(r, switched=True)
         if r.relay_pump is not None:
             r.relay_pump.cancel()
         if r.relay is not None:
@@ -213,6 +214,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.counters[f"requests.{name}"] += 1
         self.m.done(name)
         self.chooser.learn(r)
+        if r.handoff_at is None:
+            self.transfers.learn_handoff(r, switched=False)
         r.check_integrity()
         if r.sync_main and len(r.prompt) + len(r.tokens) > 1:
             self._spawn(self.transfers.sync_main(r))

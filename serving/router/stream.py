@@ -57,9 +57,11 @@ class Output:
     MAIN_STREAMING). `tokenizer` None: no text; `stop_strings` end it early; `on_switch()` runs
     once when the stream moves from RLD to MD (the caller releases RLD); `await on_hold(hold)`
     pauses RLD's decoding of the request while RLD's batches are held back, and resumes it if
-    RLD keeps the request (the caller's Hold RPC, errors its own)."""
+    RLD keeps the request (the caller's Hold RPC, errors its own); `give_up()`, asked at RLD's
+    batches while MD has nothing to judge yet, -> True once the caller gave MD up (give_up.py)."""
 
-    def __init__(self, r: Request, tokenizer, stop_strings, metrics: RouterMetrics, on_switch=None, on_hold=None):
+    def __init__(self, r: Request, tokenizer, stop_strings, metrics: RouterMetrics, on_switch=None, on_hold=None,
+                 give_up=None):
         self.r, self.timer = r, metrics.timer(r.t0)
         self.text = IncrementalText(tokenizer, stop_strings)  # O(batch) per batch
         self.tokenizer, self._texts = tokenizer, {}  # token id -> its text alone (logprobs' token strings)
@@ -72,6 +74,7 @@ class Output:
         self.pending: collections.deque = collections.deque()  # held items to read again, before the queue's
         self.on_hold = on_hold  # async (hold: bool) -> None: RLD pauses / resumes the request (its Hold RPC)
         self._hold_sent: asyncio.Task | None = None  # the last Hold sent (each waits for the one before)
+        self.give_up = give_up  # () -> bool: MD is given up (router/give_up.py), the stream stays on RLD
 
     @property
     def on_main(self) -> bool:
@@ -144,6 +147,9 @@ class Output:
             self.relay_held = None  # RLD's held batches are dropped: it is released
             self._switch()
             return True
+        if verdict is Verdict.PENDING and self.relay_held is None and self.give_up is not None and self.give_up():
+            self.ahead.drop()  # the request ends on RLD before MD could catch up
+            return False
         if verdict is Verdict.WAIT and self.relay_held is None:
             self.relay_held, self.hold_until = [], time.perf_counter() + HOLD_MAX_S
             self._hold_relay(True)

@@ -23,12 +23,13 @@ estimates, the counters and the metrics):
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 import grpc
 
 from serving.pb import cluster_pb2, common_pb2
-from serving.router import decode_streams, pools, recovery
+from serving.router import decode_streams, give_up, pools, recovery
 from serving.router.request import Abort, Request, from_rpc, status
 from serving.router.request_state import State
 
@@ -47,6 +48,7 @@ class Transfers:
     def __init__(self, settings: RouterSettings, prefill_pool: pools.Pool, estimates: Estimates,
                  counters: collections.Counter, metrics: RouterMetrics):
         self.chunk_bytes, self.handoff_threshold = settings.chunk_bytes, settings.handoff_threshold
+        self.give_up_main = settings.give_up_main
         self.background_timeout_s = settings.background_timeout_s
         self.prefill_pool, self.estimates, self.counters, self.m = prefill_pool, estimates, counters, metrics
         self._sync_lock = asyncio.Lock()  # background context syncs run one at a time (low priority)
@@ -143,7 +145,10 @@ class Transfers:
         elif err and d.code == _REFUSED:
             r.relay_out.put_nowait(err)  # MD refuses this KV: never decode it anywhere
         elif not err and pdd and r.state is State.RELAY_STREAMING:  # RLD still serves: hand off to MD
-            r.tasks.append(asyncio.create_task(self._handoff(r)))
+            if not self._give_main_up(r, 0.0):  # unless it would end before the switch (give_up.py)
+                r.handoff_t0 = time.perf_counter()
+                r.handoff_task = asyncio.create_task(self._handoff(r))
+                r.tasks.append(r.handoff_task)
 
     def _relay_lost(self, r: Request):
         """on_error of RLD's stream (pdd): MD takes the request over, or the error stands."""
@@ -153,6 +158,48 @@ class Transfers:
                 return why
             return Abort(err.code, f"{err.message}; {why}", "relay")
         return on_error
+
+    def stop_handoff(self, r: Request) -> bool:
+        """A chunked handoff running, RLD still the source: give MD up if the request is now
+        predicted to end before the switch (-> True: the stream stays on RLD)."""
+        if not r.handoff_t0 or r.main_given_up or r.mode != common_pb2.HANDOFF_MODE_CHUNKED:
+            return bool(r.main_given_up)
+        return self._give_main_up(r, time.perf_counter() - r.handoff_t0)
+
+    def _give_main_up(self, r: Request, elapsed: float) -> bool:
+        """Gives MD up (no handoff, or the running one cancelled; MD released keeping the
+        prompt in its DRC) when `give_up.SwitchClock.due`; -> whether it did."""
+        if not self.give_up_main:
+            return False
+        pace = give_up.relay_pace(r.relay_after, r.relay_t0, r.relay_t1, self.estimates.speed(r.relay).value)
+        clock = self.estimates.switch_clock(r.main)
+        if not clock.due(give_up.remaining_seconds(r.max_tokens, len(r.tokens), pace), elapsed):
+            return False
+        clock.gave_up()
+        r.main_given_up = "stopped" if r.handoff_t0 else "skipped"
+        self.counters[f"handoff.given_up.{r.main_given_up}"] += 1
+        self.m.gave_up(r.main_given_up)
+        if r.handoff_task is not None:
+            r.handoff_task.cancel()
+        r.tasks.append(asyncio.create_task(self._release_main(r)))
+        return True
+
+    def learn_handoff(self, r: Request, switched: bool) -> None:
+        """A handoff's outcome for its MD's SwitchClock: the stream switched now, or the request
+        finished on RLD without a switch (a handoff given up teaches nothing more)."""
+        if r.handoff_t0 and not r.main_given_up and r.main is not None:
+            clock = self.estimates.switch_clock(r.main)
+            seconds = time.perf_counter() - r.handoff_t0
+            clock.switched(seconds) if switched else clock.unswitched(seconds)
+
+    async def _release_main(self, r: Request) -> None:
+        """MD given up: released now (its DRC keeps the context); the request's final release skips it."""
+        try:
+            await pools.stub(r.main).Release(cluster_pb2.ReleaseRequest(request_id=r.rid, cache=True, cancel=True),
+                                             timeout=RELEASE_TIMEOUT_S)
+            r.freed.append(r.main)
+        except grpc.aio.AioRpcError:
+            pass  # the request's final release tries again
 
     async def _handoff(self, r: Request) -> None:
         try:

@@ -6,7 +6,9 @@ stack's engine services (`Router`); and `pddjax up` as a subprocess.
 TINY_ENGINE is the suite's one tiny engine table (configs/tiny.toml's, every default stated): a
 module whose stacks differ from it only by accident uses it, so that one set of step programs
 is compiled per cache (each other table compiles its own on an empty one). TINY_STACK is the
-stack the modules of tests/serving share (tests/serving/conftest.py: `STACK = TINY_STACK`)."""
+stack the modules of tests/serving share (tests/serving/conftest.py: `STACK = TINY_STACK`); its
+router never gives MD up (`give_up_main`: what one module learns would change which of another
+module's pdd requests hand off; tests/serving/router/test_give_up.py runs a router with it)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from serving.stack.wanlink import WanLink
 
 TINY_ENGINE = {"dtype": "float32", "page_size": 16, "num_pages": 256, "max_step_tokens": 128, "max_rows": 8}
 TINY_STACK = {"model": "tiny", "platform": "cpu", "engine": TINY_ENGINE,
-              "router": {"chunk_bytes": 4096, "handoff_threshold": 48}}
+              "router": {"chunk_bytes": 4096, "handoff_threshold": 48, "give_up_main": False}}
 
 
 class LinkThread:

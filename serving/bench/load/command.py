@@ -67,6 +67,8 @@ def register(bsub) -> None:
     p.add_argument("--stream-interval", default="1", help="tokens per streamed message (comma list: side by side)")
     p.add_argument("--handoff", choices=("one-shot", "chunked"),
                    help="pdd's handoff mode per request (default: the router's [router] handoff, auto)")
+    p.add_argument("--keep-main", action="store_true",
+                   help="pdd: never give MD up ([router] give_up_main = false: every request hands off)")
     p.add_argument("--burst", default="64,256", help="queued-burst stream counts ('' = none)")
     p.add_argument("--burst-tokens", type=int, default=128)
     p.add_argument("--burst-pipelines", default="pd-local,pdd")
@@ -102,7 +104,8 @@ def stack_config(args) -> dict:
     engine = {"dtype": "float32", "page_size": PAGE_SIZE, "num_pages": args.num_pages,
               "max_step_tokens": args.max_step_tokens, "max_rows": args.max_rows, "prefix_cache": True}
     return {"model": args.model, "platform": "cpu", "engine": engine,
-            "router": {"wan_mbps_prior": args.wan_mbps, "wan_latency_ms_prior": args.wan_latency_ms},
+            "router": {"wan_mbps_prior": args.wan_mbps, "wan_latency_ms_prior": args.wan_latency_ms,
+                       "give_up_main": not getattr(args, "keep_main", False)},
             "wan": {"mbps": args.wan_mbps, "latency_ms": args.wan_latency_ms, "jitter_ms": 0.0}}
 
 
@@ -318,11 +321,12 @@ def measure(args, stack, alone, streams, plan, refs, burst_plan, burst_refs, res
             print(f"bench serving: the engine alone, {n} rows ...", file=sys.stderr, flush=True)
             result["engine"][str(n)] = alone.measure(n)
         print(f"bench serving: {p} x {n} streams, {i} tokens a message ...", file=sys.stderr, flush=True)
-        c0, cpu0 = compiles.read(engines), stack.cpu_s()
+        c0, cpu0, m0 = compiles.read(engines), stack.cpu_s(), scrape_router(stack.router_child.metrics)
         t0, recs = send_burst(stack.router, prompts, args.max_tokens, p, f"{p}-{n}-{i}", interval=i,
                               handoff=args.handoff)
+        handoffs = failures_delta(m0, scrape_router(stack.router_child.metrics), "handoffs")
         fig = burst_figures(t0, recs, refs[(p, n, i)])
-        fig["stream_interval"] = i
+        fig["stream_interval"], fig["handoffs"] = i, handoffs
         explain_mismatches(fig, alone.model, prompts)
         fig["cpu_s"], fig["compiles"] = cpu_delta(cpu0, stack.cpu_s()), compiles.during(c0, compiles.read(engines))
         fig["cpu_us_per_token"] = per_token(fig["cpu_s"], fig["output_tokens"])  # beside the engine alone's 1e6 / tok/s

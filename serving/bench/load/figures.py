@@ -94,12 +94,13 @@ def exact_label(f: dict) -> str:
 
 
 def scrape_router(url: str | None) -> dict:
-    """{"page_wait": {tier: {"count", "sum", "buckets": {le: cumulative}}}, "failures": {code: n}}."""
+    """{"page_wait": {tier: {"count", "sum", "buckets": {le: cumulative}}}, "failures": {code: n},
+    "handoffs": {"chunked" | "one-shot" | "given up, skipped" | "given up, stopped": n}}."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict = {"page_wait": {}, "failures": {}}
+    out: dict = {"page_wait": {}, "failures": {}, "handoffs": {}}
     if not url:
         return out
     with urllib.request.urlopen(url, timeout=10) as r:
@@ -117,6 +118,9 @@ def scrape_router(url: str | None) -> dict:
             elif s.name == "pddjax_router_failures_total":
                 code = s.labels.get("code", "?")
                 out["failures"][code] = out["failures"].get(code, 0) + s.value
+            elif s.name in ("pddjax_router_handoffs_total", "pddjax_router_main_given_up_total"):
+                key = s.labels.get("mode") or "given up, " + s.labels.get("when", "?")
+                out["handoffs"][key] = s.value
     return out
 
 
@@ -137,9 +141,8 @@ def page_wait_delta(before: dict, after: dict) -> dict:
     return out
 
 
-def failures_delta(before: dict, after: dict) -> dict:
-    return {k: int(v - before["failures"].get(k, 0)) for k, v in after["failures"].items()
-            if v - before["failures"].get(k, 0) > 0}
+def failures_delta(before: dict, after: dict, key: str = "failures") -> dict:
+    return {k: int(v - before[key].get(k, 0)) for k, v in after[key].items() if v - before[key].get(k, 0) > 0}
 
 
 def cpu_delta(before: dict, after: dict) -> dict:
@@ -182,7 +185,9 @@ def markdown(res: dict) -> str:
         for n, f in per.items():
             us = ", ".join(f"{k} {v}" for k, v in f.get("cpu_us_per_token", {}).items())
             alone = res["engine"][n.split("@")[0]]["decode_tokens_per_s"]
-            lines.append(f"- {p} x {n}: {us}; engine alone {round(1e6 / alone, 1) if alone else '-'}")
+            handoffs = "".join(f"; {k} {v}" for k, v in f.get("handoffs", {}).items())
+            share = f"; MD's token share {f['main_token_share']}" if p == "pdd" else ""
+            lines.append(f"- {p} x {n}: {us}; engine alone {round(1e6 / alone, 1) if alone else '-'}{share}{handoffs}")
     if res["burst"]:
         lines += ["", "| burst | pipeline | tokens | completed | exact | refused | TTFT p50/p99 ms | e2e p50/p99 ms | "
                   "page waits (waited/count, mean s) |", "|" + "---|" * 9]
