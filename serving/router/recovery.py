@@ -75,6 +75,8 @@ async def take_over(counters: collections.Counter, r: Request, seen: list[int]):
     handoff from now on, and no second take-over)."""
     if r.main is None or r.state is not State.RELAY_STREAMING:
         return "no MD to take over"
+    if r.main_given_up:  # released: the request was predicted to end on RLD before a switch (give_up.py)
+        return "MD was released (the request was to end on RLD before a switch to MD)"
     r.advance(State.RELAY_LOST)
     counters["relay_lost"] += 1
     await r.main_kv.wait()

@@ -233,6 +233,19 @@ def test_a_switch_and_an_unswitched_end_teach_the_clock_of_that_md():
     assert set(t.estimates.stats()["handoff_switch"]) == {"m:1", "m:2"}
 
 
+def test_md_given_up_does_not_take_over_a_lost_rld():
+    """MD was released: an RLD lost afterwards ends the request as in pd-local, never a take-over
+    by an MD that holds nothing of it."""
+    from serving.router import recovery
+
+    r, counters = streaming_request(), collections.Counter()
+    r.main_kv.set()
+    r.main_kv_ok, r.first_token, r.main_given_up = True, 1, "skipped"
+    why = asyncio.run(recovery.take_over(counters, r, [1, 2]))
+    assert why.startswith("MD was released") and r.state is State.RELAY_STREAMING and not counters
+    r.check_integrity()
+
+
 # ---- a real stack ---------------------------------------------------------------------------------
 ROUTER = {"router": {"chunk_bytes": 4096, "handoff_threshold": 48, "give_up_main": True,
                      "handoff_switch_prior_s": 600.0}}
