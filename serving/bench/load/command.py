@@ -39,6 +39,7 @@ from pddjax.errors import UserError
 from serving.bench.load.figures import (
     Stream,
     burst_figures,
+    counts_delta,
     cpu_delta,
     explain_mismatches,
     failures_delta,
@@ -324,7 +325,7 @@ def measure(args, stack, alone, streams, plan, refs, burst_plan, burst_refs, res
         c0, cpu0, m0 = compiles.read(engines), stack.cpu_s(), scrape_router(stack.router_child.metrics)
         t0, recs = send_burst(stack.router, prompts, args.max_tokens, p, f"{p}-{n}-{i}", interval=i,
                               handoff=args.handoff)
-        handoffs = failures_delta(m0, scrape_router(stack.router_child.metrics), "handoffs")
+        handoffs = counts_delta(m0, scrape_router(stack.router_child.metrics), "handoffs")
         fig = burst_figures(t0, recs, refs[(p, n, i)])
         fig["stream_interval"], fig["handoffs"] = i, handoffs
         explain_mismatches(fig, alone.model, prompts)

@@ -141,8 +141,13 @@ def page_wait_delta(before: dict, after: dict) -> dict:
     return out
 
 
-def failures_delta(before: dict, after: dict, key: str = "failures") -> dict:
+def counts_delta(before: dict, after: dict, key: str) -> dict:
+    """What each count of `scrape_router`'s `key` ("failures", "handoffs") grew by between two scrapes."""
     return {k: int(v - before[key].get(k, 0)) for k, v in after[key].items() if v - before[key].get(k, 0) > 0}
+
+
+def failures_delta(before: dict, after: dict) -> dict:
+    return counts_delta(before, after, "failures")
 
 
 def cpu_delta(before: dict, after: dict) -> dict:

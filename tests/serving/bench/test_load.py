@@ -118,6 +118,12 @@ def test_bench_serving_small_run(tmp_path):
     assert "| pdd | 4@4 |" in p.stdout
     assert res["serving"]["pd-local"]["4"]["main_token_share"] == 0.0
     assert res["serving"]["pd-cross"]["4"]["main_token_share"] == 1.0
+    # pdd's handoffs done and MD given up, read off the router's metrics per cell: none outside pdd
+    assert res["stack"]["router"]["give_up_main"] is True
+    assert res["serving"]["pd-local"]["4"]["handoffs"] == {} == res["serving"]["pd-cross"]["4"]["handoffs"]
+    pdd_handoffs = res["serving"]["pdd"]["4"]["handoffs"]
+    assert set(pdd_handoffs) <= {"chunked", "one-shot", "given up, skipped", "given up, stopped"}, pdd_handoffs
+    assert sum(pdd_handoffs.values()) <= 4 and "MD's token share" in p.stdout
     assert res["ratios"]["pdd_over_pd_local"]["4"] > 0
     for name, queued_on in (("pd-local", "relay"), ("pdd", "main")):  # pdd reserves MD before RLD
         b = res["burst"][name]["16"]  # 16 x 18 pages against 255, held to the end: at least 2 must wait
