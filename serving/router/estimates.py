@@ -82,15 +82,18 @@ class Estimates:
         return self.links[main.address]
 
     def speed(self, relay: Instance) -> Ewma:
-        return self.relay_speed.setdefault(relay.address, Ewma(self.relay_tokens_per_s_prior))
+        speed = self.relay_speed.get(relay.address)  # read per RLD batch while a handoff runs: no Ewma built
+        if speed is None:
+            speed = self.relay_speed[relay.address] = Ewma(self.relay_tokens_per_s_prior)
+        return speed
 
-    # ---- the KV wire format per target ---------------------------------------------------
     def switch_clock(self, main: Instance) -> SwitchClock:
         clock = self.switch_clocks.get(main.address)
         if clock is None:
             clock = self.switch_clocks[main.address] = SwitchClock(self.switch_prior_s)
         return clock
 
+    # ---- the KV wire format per target ---------------------------------------------------
     async def wire_format(self, target: Instance) -> str:
         """The configured KV wire format for `target`'s role if the target declared it (its
         Info's kv_wire_formats), else native (logged once per target and format)."""

@@ -78,4 +78,3 @@ def relay_pace(relay_after: int, relay_t0: float, relay_t1: float, tokens_per_s:
     if relay_after >= MIN_PACE_TOKENS and relay_t1 > relay_t0:
         return (relay_t1 - relay_t0) / relay_after
     return 1.0 / max(tokens_per_s, 1e-6)
-

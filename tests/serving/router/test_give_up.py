@@ -23,8 +23,9 @@ from serving.router.metrics import RouterMetrics
 from serving.router.pools import Instance
 from serving.router.request import Request
 from serving.router.request_state import State
-from serving.router.stream import Output
 from serving.router.transfer import Transfers
+from tests.support.router_requests import batch, fed
+from tests.support.router_requests import streaming_request as shared_streaming_request
 from tests.support.samples import prompt
 
 pytestmark = pytest.mark.timeout(300)
@@ -83,33 +84,10 @@ def test_check_integrity_catches_a_corrupt_clock(corrupt):
 
 # ---- the stream -----------------------------------------------------------------------------------
 def streaming_request() -> Request:
-    r = Request(rid="r1", prompt=[5, 6, 7], pipeline=common_pb2.PIPELINE_PDD, max_tokens=8)
-    for s in (State.ADMISSION, State.PLAN, State.RESERVE):
-        r.advance(s)
-    r.prefill, r.relay = Instance("prefill", "p:1"), Instance("relay", "r:1")
-    r.main = r.main_choice = Instance("main", "m:1")
-    r.main_asked = [r.main]
-    r.advance(State.RELAY_STREAMING)
+    """The pdd request streaming from RLD, 8 tokens at most."""
+    r = shared_streaming_request()
+    r.max_tokens = 8
     return r
-
-
-def batch(start, ids, **kw):
-    return cluster_pb2.TokenBatch(start_position=start, token_ids=ids, **kw)
-
-
-async def fed(r: Request, waves, give_up_fn, on_switch) -> list:
-    async def feed():
-        for wave in waves:
-            for role, b in wave:
-                (r.relay_out if role == "relay" else r.main_out).put_nowait(b)
-            await asyncio.sleep(0.05)
-
-    async def read():
-        out = Output(r, None, [], RouterMetrics(), on_switch, None, give_up_fn)
-        return [m async for m in out.messages()]
-
-    msgs, _ = await asyncio.wait_for(asyncio.gather(read(), feed()), 10)
-    return msgs
 
 
 LENGTH = common_pb2.FINISH_REASON_LENGTH
@@ -130,7 +108,7 @@ def test_a_stream_whose_md_was_given_up_stays_on_rld_even_when_md_catches_up(giv
         return given_up and len(r.tokens) >= 2
 
     r = streaming_request()
-    msgs = asyncio.run(fed(r, WAVES, give_up_fn, lambda: switched.append(1)))
+    msgs = asyncio.run(fed(r, *WAVES, on_switch=lambda: switched.append(1), give_up=give_up_fn))
     assert r.tokens == [1, 2, 3, 4, 5, 6, 7, 8] and [t for m in msgs for t in m.token_ids] == r.tokens
     if given_up:
         assert set(r.sources) == {common_pb2.ROLE_RELAY} and r.handoff_at is None and not switched

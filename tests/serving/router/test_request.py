@@ -18,30 +18,9 @@ from serving.router.pools import Instance
 from serving.router.request import Abort, Request
 from serving.router.request_state import LEGAL_TRANSITIONS, IllegalTransition, State
 from serving.router.stream import Output
+from tests.support.router_requests import batch, fed, pdd_request, streaming_request, walk
 
 S = State
-
-
-def walk(r: Request, *states: State) -> Request:
-    for s in states:
-        r.advance(s)
-    return r
-
-
-def pdd_request() -> Request:
-    """A pdd request in RESERVE: P, RLD and the MD of the plan chosen, MD not yet reserved."""
-    r = walk(Request(rid="r1", prompt=[5, 6, 7], pipeline=common_pb2.PIPELINE_PDD), S.ADMISSION, S.PLAN, S.RESERVE)
-    r.prefill, r.relay = Instance("prefill", "p:1"), Instance("relay", "r:1")
-    r.main_choice = Instance("main", "m:1")
-    return r
-
-
-def streaming_request() -> Request:
-    """The pdd request with MD reserved, its tokens from RLD (RELAY_STREAMING)."""
-    r = pdd_request()
-    r.main = r.main_choice
-    r.main_asked = [r.main]
-    return walk(r, S.RELAY_STREAMING)
 
 
 def path_to(target: State) -> list[State]:
@@ -203,10 +182,6 @@ def test_take_over_runs_once_and_only_from_relay_streaming():
     assert asyncio.run(run(r)) == "no MD to take over" and r.state is S.FINISHED
 
 
-def batch(start, ids, **kw):
-    return cluster_pb2.TokenBatch(start_position=start, token_ids=ids, **kw)
-
-
 async def collect(r: Request) -> list:
     return [m async for m in Output(r, None, [], RouterMetrics()).messages()]
 
@@ -279,22 +254,6 @@ def test_output_stays_on_relay_when_main_disagrees():
 
     r, msgs = asyncio.run(run())
     assert r.tokens == [1, 2, 3, 4] and set(r.sources) == {common_pb2.ROLE_RELAY} and r.handoff_at is None
-
-
-async def fed(r: Request, *waves, on_switch=None, on_hold=None) -> list:
-    """Output's messages while `waves` of (role, batch) reach the request's queue one after the
-    other (each after the stream judged the last); a hang fails within 10 s."""
-    async def feed():
-        for wave in waves:
-            for role, b in wave:
-                (r.relay_out if role == "relay" else r.main_out).put_nowait(b)
-            await asyncio.sleep(0.05)
-
-    async def read():
-        return [m async for m in Output(r, None, [], RouterMetrics(), on_switch, on_hold).messages()]
-
-    msgs, _ = await asyncio.wait_for(asyncio.gather(read(), feed()), 10)
-    return msgs
 
 
 def recorder(calls: list):
