@@ -79,10 +79,12 @@ class CallStream:
 
     def start(self, msg: cluster_pb2.CallRequest) -> None:
         kind = msg.WhichOneof("call")
-        if kind == "cancel":
-            task = self.tasks.get(msg.id)
+        if kind == "cancel":  # its slot frees at once: a call sent right after the cancel finds it free
+            task = self.tasks.pop(msg.id, None)
             if task is not None:
                 task.cancel()
+                if self.draining and not self.tasks:
+                    self.out.put_nowait(None)
             return
         if kind is None or msg.id == 0:
             return self._answer(msg.id, grpc.StatusCode.INVALID_ARGUMENT, f"call {msg.id} names no method"
@@ -124,7 +126,8 @@ class CallStream:
             code = grpc.StatusCode.OK
             self.out.put_nowait(cluster_pb2.CallResult(id=call_id, **{kind: answer}))
         finally:
-            self.tasks.pop(call_id, None)
+            if self.tasks.get(call_id) is asyncio.current_task():
+                del self.tasks[call_id]
             if self.draining and not self.tasks:
                 self.out.put_nowait(None)
             if self.metrics is not None:  # counted by its own method, as its RPC would be

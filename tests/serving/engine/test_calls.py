@@ -372,3 +372,26 @@ def test_calls_past_the_bound_in_flight_are_refused(tiny, monkeypatch):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "3 calls are already running" in details
     assert waited == [grpc.StatusCode.DEADLINE_EXCEEDED] * 3
     assert found
+
+
+def test_a_cancelled_call_frees_its_slot_for_the_next_message(tiny, monkeypatch):
+    """A cancel frees the call's place in the bound at once: a call sent right after it (the caller
+    gave one up on its deadline, then sent another) is served, not refused RESOURCE_EXHAUSTED."""
+    monkeypatch.setattr(calls, "MAX_IN_FLIGHT", 1)
+    cfg = EngineConfig(page_size=16, num_pages=4, max_step_tokens=64, max_rows=4, attention="xla")
+    wait = cluster_pb2.ReserveRequest(spec=_spec("w", n=20), wait_for_pages=True)
+
+    async def main():
+        async with _server(tiny, cfg=cfg) as (svc, _, _, _):
+            await svc.Reserve(cluster_pb2.ReserveRequest(spec=_spec("big", n=40)), _StreamCtx())
+            stream = calls.CallStream(svc, "main", _StreamCtx())
+            for msg in (cluster_pb2.CallRequest(id=1, reserve=wait), cluster_pb2.CallRequest(id=1, cancel=True),
+                        cluster_pb2.CallRequest(id=2, release=cluster_pb2.ReleaseRequest(request_id="big"))):
+                stream.start(msg)  # one after another, with no turn of the loop between them
+            answer = await asyncio.wait_for(_first(stream.serve(_forever())), 5)
+            stream.drain()
+            return answer, dict(stream.tasks)
+
+    answer, left = asyncio.run(main())
+    assert answer.id == 2 and answer.code == 0 and answer.release.found, answer
+    assert left == {}
