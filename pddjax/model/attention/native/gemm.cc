@@ -3,10 +3,10 @@
 // XLA would copy the layer's slice out of the stacked array first (the layer scan's dynamic
 // slice: every weight written once more per step) and its matrix library packs it again.
 // Here the weight is read once: tasks are blocks of whole NR-column panels (about four a thread)
-// over XLA's intra-op threads; each packs its block KC rows at a time into panels (contiguous,
-// in cache), and a register-blocked MR x NR product runs every MR rows of x over each panel.
-// With fewer than PACK_AT rows the products read the weight as stored (packing would cost more
-// than the reuse it buys).
+// over XLA's intra-op threads; each walks its block KC rows at a time, and a register-blocked
+// MR x NR product runs every MR rows of x over each panel, read as stored (a block whose columns
+// are not a whole number of panels is packed first, zeros past N). Packing every block into
+// contiguous panels cost more than it saved at every row count up to 64 on the machine measured.
 
 #include <algorithm>
 #include <cstdint>
@@ -24,8 +24,7 @@ namespace {
 
 constexpr int64_t MR = 6;        // rows of x a product keeps in registers (12 sums, 2 + 1 loads: 15 of 16)
 constexpr int64_t NR = 16;       // columns of a panel: two vectors
-constexpr int64_t KC = 256;      // weight rows packed at once: a panel is KC x NR floats (16 KB)
-constexpr int64_t PACK_AT = 8;   // from this many rows of x on, a block is packed (fewer: read as stored)
+constexpr int64_t KC = 256;      // weight rows a block: a panel of it is KC x NR floats (16 KB)
 
 inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
 
@@ -59,13 +58,13 @@ void product(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64
 }
 
 // y[:, n0:n1] = x @ w[:, n0:n1], KC weight rows at a time (each block's sums added to y in
-// order, so a row's result does not depend on how many rows there are): the block's rows packed
-// into panels of NR columns (zeros past N), or read as stored when x has few rows, then every MR
-// rows of x over each panel.
+// order, so a row's result does not depend on how many rows there are): every MR rows of x over
+// each panel of the block's rows, read as stored (packed into panels, zeros past N, when the
+// block's columns are not a whole number of panels).
 void column_block(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
                   int64_t n1) {
   const int64_t panels = (n1 - n0 + NR - 1) / NR;
-  const bool pack = M >= PACK_AT || (n1 - n0) % NR != 0;  // the product reads NR columns a panel
+  const bool pack = (n1 - n0) % NR != 0;  // the product reads NR columns a panel
   thread_local std::vector<float> packed;
   if (pack) packed.resize(size_t(panels * KC * NR));
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
