@@ -24,6 +24,7 @@ namespace {
 
 constexpr int64_t MR = 6;        // rows of x a product keeps in registers (12 sums, 2 + 1 loads: 15 of 16)
 constexpr int64_t NR = 16;       // columns of a panel: two vectors
+constexpr int64_t AHEAD = 16;    // panel rows requested ahead of the product's
 constexpr int64_t KC = 256;      // weight rows a block: a panel of it is KC x NR floats (16 KB)
 
 inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
@@ -36,6 +37,8 @@ void product(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64
   v8f acc[R][2];
   for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = splat(0.0f);
   for (int64_t k = 0; k < kc; ++k) {
+    // read as stored, each panel row is on a new page, where the hardware's prefetch does not go
+    __builtin_prefetch(panel + (k + AHEAD) * ldp);
     v8f b0, b1;
     std::memcpy(&b0, panel + k * ldp, sizeof(v8f));
     std::memcpy(&b1, panel + k * ldp + 8, sizeof(v8f));
