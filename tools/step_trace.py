@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     from pddjax.kv.pool import KVPool
     from pddjax.model.paged import forward_paged
     from pddjax.model.registry import load_model
-    from pddjax.model.weights import for_engine
+    from pddjax.model.weights import for_engine, in_panels
 
     model = load_model(args.model)
     cfg = model.config
@@ -65,6 +65,7 @@ def main(argv=None) -> int:
 
         if not native_paged.available():
             raise SystemExit("step_trace: the native attention could not be built here (the log says why)")
+        weights = in_panels(weights)  # as a native engine holds them (steps of few tokens read them in place)
     fwd = jax.jit(lambda w, b, p: forward_paged(w, cfg, b, p, max_q_len=Q, impl=args.attention), donate_argnums=(2,))
     compiled = fwd.lower(weights, batch, pool).compile()
     state = [pool]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pddjax.model.config import ModelConfig, RopeScaling
-from pddjax.model.weights import Weights
+from pddjax.model.weights import IN_PANELS, Panels, Weights
 
 
 def rms_norm(x, scale, eps: float):
@@ -58,40 +58,40 @@ def rope(x, positions, base: float, scaling: RopeScaling | None = None):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-IN_PLACE = ("wqkv", "wo", "w_gate_up", "w_down")  # the products a CPU step of few tokens reads in place
 IN_PLACE_MAX_TOKENS = 64  # steps of up to this many tokens: decode batches, extend, a verify; not prefill
 
 
 @dataclasses.dataclass(frozen=True)
 class InPlace:
-    """A stacked weight [L, K, N] at layer `i`, read where it lies by the native products
-    (pddjax/model/attention/native/matvec.cc for one row, gemm.cc for more): inside the layer
-    scan XLA would copy the layer's slice out first, then its matrix library would pack it again."""
-    stacked: jax.Array  # [L, K, N] float32
+    """A stacked weight in panels at layer `i`, read where it lies by the native product
+    (pddjax/model/attention/native/gemm.cc): inside the layer scan XLA would copy the layer's
+    slice out first, then its matrix library would pack it again."""
+    stacked: Panels  # data [L, P, K, 16] float32
     i: jax.Array  # [] int32
 
 
 def mm(x, w):
-    """x [T, K] @ w [K, N]; an InPlace weight through the native products."""
+    """x [T, K] @ w [K, N] -> [T, N]; an InPlace weight through the native product, one layer's
+    Panels (data [P, K, 16]) through XLA."""
     if isinstance(w, InPlace):
         from pddjax.model.attention import native_paged
 
-        return native_paged.product_in_place(x, w.stacked, w.i)
+        return native_paged.product_in_place(x, w.stacked.data, w.i, w.stacked.n)
+    if isinstance(w, Panels):
+        return jnp.einsum("tk,pkj->tpj", x, w.data).reshape(x.shape[0], -1)[:, :w.n]
     return x @ w
 
 
 def in_place_ok(lw) -> bool:
-    """The layers' weights can be read in place: fused (one device), float32."""
-    return (lw.wqkv is not None and lw.w_gate_up is not None
-            and all(getattr(lw, n).dtype == jnp.float32 for n in IN_PLACE))
+    """The layers' weights can be read in place: the four products' weights in panels
+    (`weights.in_panels`: fused, one device), float32."""
+    return all(isinstance(getattr(lw, n), Panels) and getattr(lw, n).dtype == jnp.float32 for n in IN_PANELS)
 
 
 def layer_in_place(lw, i):
     """Layer i's weights: the small ones sliced, the four products' weights as InPlace."""
-    small = jax.tree_util.tree_map(lambda a: a[i], lw.replace(**{n: None for n in IN_PLACE}))
-    L, E = lw.wo.shape[0], lw.wo.shape[-1]
-    return small.replace(wqkv=InPlace(lw.wqkv, i), wo=InPlace(lw.wo.reshape(L, -1, E), i),
-                         w_gate_up=InPlace(lw.w_gate_up, i), w_down=InPlace(lw.w_down, i))
+    small = jax.tree_util.tree_map(lambda a: a[i], lw.replace(**{n: None for n in IN_PANELS}))
+    return small.replace(**{n: InPlace(getattr(lw, n), i) for n in IN_PANELS})
 
 
 def qkv(layer, h, positions, cfg: ModelConfig):
@@ -121,7 +121,7 @@ def qkv(layer, h, positions, cfg: ModelConfig):
 
 def attn_out(layer, h, attn):
     """Residual add of the attention output. h: [T, E], attn: [T, H, D] -> [T, E]."""
-    if isinstance(layer.wo, InPlace):  # wo as [H * D, E]
+    if isinstance(layer.wo, (InPlace, Panels)):  # wo as [H * D, E]
         return h + mm(attn.astype(h.dtype).reshape(attn.shape[0], -1), layer.wo)
     return h + jnp.einsum("thd,hde->te", attn.astype(h.dtype), layer.wo)
 
@@ -135,7 +135,7 @@ def mlp(layer, h, cfg: ModelConfig):
     else:
         gate = jnp.einsum("te,ef->tf", x, layer.w_gate)
         up = jnp.einsum("te,ef->tf", x, layer.w_up)
-    if isinstance(layer.w_down, InPlace):
+    if isinstance(layer.w_down, (InPlace, Panels)):
         return h + mm(jax.nn.silu(gate) * up, layer.w_down)
     # einsum, not `@`: XLA:CPU ran the 1-row step's sliced [F, E] product ~2x slower as a matmul
     return h + jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer.w_down)

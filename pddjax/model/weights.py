@@ -118,6 +118,42 @@ def fuse_projections(w: Weights) -> Weights:
                                        w_gate_up=w_gate_up))
 
 
+PANEL = 16  # columns of a panel (native/gemm.cc's NR)
+IN_PANELS = ("wqkv", "wo", "w_gate_up", "w_down")  # the products a CPU step of few tokens reads in place
+
+
+@flax.struct.dataclass
+class Panels:
+    """A stacked weight [L, K, N] laid out in panels of PANEL columns: data[l, p, k, j] is column
+    p * PANEL + j of layer l (zeros past N). Each panel is a contiguous [K, PANEL] block, so the
+    native product of a few rows (native/gemm.cc) reads the weight once, in order, in place; read
+    column-panel by column-panel as stored, every row of a panel is a new page and the products
+    of 4-32 rows ran ~2x slower. Sliced per layer (the layer scan), `data` is [P, K, PANEL]."""
+    data: jax.Array  # [L, P, K, PANEL] (or [P, K, PANEL]: one layer)
+    n: int = flax.struct.field(pytree_node=False)  # N: the columns of the weight
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+
+def to_panels(w: jax.Array) -> Panels:
+    """[L, K, N] -> Panels [L, ceil(N / PANEL), K, PANEL]."""
+    L, K, N = w.shape
+    P = -(-N // PANEL)
+    padded = jnp.pad(w, ((0, 0), (0, 0), (0, P * PANEL - N))) if P * PANEL != N else w
+    return Panels(jnp.transpose(padded.reshape(L, K, P, PANEL), (0, 2, 1, 3)), N)
+
+
+def in_panels(w: Weights) -> Weights:
+    """The fused weights with the four products' weights (wo as [L, H * D, E]) in panels: what a
+    CPU engine at one device with the native kernels computes with (`layers.in_place_ok`)."""
+    lw = w.layers
+    L, E = lw.wo.shape[0], lw.wo.shape[-1]
+    return w.replace(layers=lw.replace(wqkv=to_panels(lw.wqkv), wo=to_panels(lw.wo.reshape(L, -1, E)),
+                                       w_gate_up=to_panels(lw.w_gate_up), w_down=to_panels(lw.w_down)))
+
+
 def cast(w: Weights, dtype) -> Weights:
     """Matrices and biases to `dtype`; norms (q/k norms too) stay float32 (tiny and precision-sensitive)."""
     d = to_dict(w)

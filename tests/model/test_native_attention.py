@@ -134,44 +134,36 @@ def test_without_a_compiler_auto_falls_back_to_xla(tmp_path):
     assert "native paged attention unavailable" in done.stderr
 
 
-def test_one_row_product_reads_the_stacked_weight_in_place():
-    """layers.mm with an InPlace weight: x @ w[layer] of the stacked [L, K, N] (float32 rounding),
-    for a K that does not split evenly over the chunks and N not in whole vectors."""
-    from pddjax.model import layers
-
-    rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.standard_normal((3, 70, 37)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((1, 70)), jnp.float32)
-    f = jax.jit(lambda x, w, i: layers.mm(x, layers.InPlace(w, i)))
-    for i in (0, 2):
-        np.testing.assert_allclose(np.asarray(f(x, w, jnp.int32(i))), np.asarray(x @ w[i]), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows,k,n", [(2, 70, 48), (5, 300, 48), (7, 70, 37), (8, 300, 48), (13, 70, 37),
-                                      (64, 300, 100)])
-def test_few_row_product_reads_the_stacked_weight_in_place(rows, k, n):
-    """layers.mm with an InPlace weight and 2-64 rows (native/gemm.cc): x @ w[layer], with rows
-    not in whole register blocks, K over more than one packed block, N not in whole panels, and
-    both the packed and the as-stored weight reads."""
-    from pddjax.model import layers
+@pytest.mark.parametrize("rows,k,n", [(1, 70, 37), (1, 300, 48), (2, 70, 48), (5, 300, 48), (7, 70, 37),
+                                      (8, 300, 48), (13, 70, 37), (64, 300, 100)])
+def test_the_product_reads_a_stacked_weight_in_panels_in_place(rows, k, n):
+    """layers.mm with an InPlace weight (in panels) and 1-64 rows (native/gemm.cc): x @ w[layer] of
+    the stacked [L, K, N], with rows not in whole register blocks, K over more than one block of
+    rows, and N not in whole panels (the last one padded with zeros)."""
+    from pddjax.model import layers, weights
 
     rng = np.random.default_rng(rows * 1000 + k + n)
     w = jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
-    f = jax.jit(lambda x, w, i: layers.mm(x, layers.InPlace(w, i)))
-    assert "pddjax_gemm" in f.lower(x, w, jnp.int32(0)).as_text()
+    panels = weights.to_panels(w)
+    assert panels.data.shape == (3, -(-n // 16), k, 16) and panels.n == n
+    f = jax.jit(lambda x, p, i: layers.mm(x, layers.InPlace(p, i)))
+    assert "pddjax_gemm" in f.lower(x, panels, jnp.int32(0)).as_text()
     for i in (0, 2):
         want = np.asarray(x, np.float64) @ np.asarray(w[i], np.float64)
-        np.testing.assert_allclose(np.asarray(f(x, w, jnp.int32(i))), want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(f(x, panels, jnp.int32(i))), want, rtol=1e-4, atol=1e-4)
+        one_layer = jax.tree_util.tree_map(lambda a, i=i: a[i], panels)  # as the layer scan slices it (XLA's path)
+        np.testing.assert_allclose(np.asarray(layers.mm(x, one_layer)), want, rtol=1e-4, atol=1e-4)
 
 
 def _tiny_forward_native_and_xla(max_q_len: int, batch_of):
-    """The tiny model's paged forward of batch_of(cfg) over a random 16-page pool, native and XLA
-    -> (the native program's HLO text, its logits, XLA's logits)."""
+    """The tiny model's paged forward of batch_of(cfg) over a random 16-page pool, native (the
+    weights in panels, as a native engine holds them) and XLA -> (the native program's HLO text,
+    its logits, XLA's logits)."""
     from pddjax.kv.pool import KVPool
     from pddjax.model.paged import forward_paged
     from pddjax.model.registry import load_model
-    from pddjax.model.weights import for_engine
+    from pddjax.model.weights import for_engine, in_panels
 
     m = load_model("tiny")
     cfg, w = m.config, jax.device_put(for_engine(m.weights, one_device=True))
@@ -180,19 +172,20 @@ def _tiny_forward_native_and_xla(max_q_len: int, batch_of):
     batch = batch_of(cfg)
     got, want = (jax.jit(functools.partial(forward_paged, cfg=cfg, max_q_len=max_q_len, impl=impl))
                  for impl in ("native", "xla"))
-    text = got.lower(w, batch=batch, pool=pool).as_text()
-    return text, np.asarray(got(w, batch=batch, pool=pool)[0]), np.asarray(want(w, batch=batch, pool=pool)[0])
+    panels = in_panels(w)
+    text = got.lower(panels, batch=batch, pool=pool).as_text()
+    return text, np.asarray(got(panels, batch=batch, pool=pool)[0]), np.asarray(want(w, batch=batch, pool=pool)[0])
 
 
 def test_a_one_row_step_takes_the_in_place_products():
-    """The tiny model's forward at one token: the native path calls the one-row product (and no
+    """The tiny model's forward at one token: the native path calls the in-place product (and no
     layer slice of the four weights) and gives XLA's logits (float32 rounding, same argmax)."""
     from pddjax.model.paged import PackedBatch
 
     i32 = functools.partial(np.asarray, dtype=np.int32)
     text, a, b = _tiny_forward_native_and_xla(1, lambda cfg: PackedBatch(
         i32([7]), i32([20]), i32([2]), i32([4]), i32([0, 1]), i32([21]), i32([[1, 2, 0, 0]]), i32([0])))
-    assert "pddjax_matvec" in text
+    assert "pddjax_gemm" in text
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     assert (a.argmax(-1) == b.argmax(-1)).all()
 
@@ -200,7 +193,8 @@ def test_a_one_row_step_takes_the_in_place_products():
 @pytest.mark.parametrize("tokens,in_place", [(3, True), (80, False)])
 def test_a_step_of_few_tokens_takes_the_in_place_products(tokens, in_place):
     """The tiny model's forward with one row of `tokens` new tokens: up to IN_PLACE_MAX_TOKENS the
-    native path runs the products in place (gemm), beyond it XLA's; the logits are XLA's either way."""
+    native path runs the products in place (gemm), beyond it XLA's over the weights in panels; the
+    logits are XLA's (over the weights as stored) either way."""
     from pddjax.model import layers
     from pddjax.model.paged import PackedBatch
 
@@ -219,12 +213,14 @@ def test_a_step_of_few_tokens_takes_the_in_place_products(tokens, in_place):
 
 
 def test_a_rows_product_does_not_depend_on_the_other_rows():
-    """The in-place product gives a row the same bits whether it comes with 2 rows (weights read as
-    stored) or 20 (packed): the sums run over the same blocks of K in the same order."""
-    from pddjax.model import layers
+    """The in-place product gives a row the same bits whether it comes alone, with 2 rows or with
+    20: the sums run over the same blocks of K in the same order for any number of rows."""
+    from pddjax.model import layers, weights
 
     rng = np.random.default_rng(5)
-    w = jnp.asarray(rng.standard_normal((2, 600, 64)), jnp.float32)
+    w = weights.to_panels(jnp.asarray(rng.standard_normal((2, 600, 64)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((20, 600)), jnp.float32)
     f = jax.jit(lambda x, w: layers.mm(x, layers.InPlace(w, jnp.int32(1))))
-    np.testing.assert_array_equal(np.asarray(f(x[:2], w)), np.asarray(f(x, w))[:2])
+    every = np.asarray(f(x, w))
+    np.testing.assert_array_equal(np.asarray(f(x[:2], w)), every[:2])
+    np.testing.assert_array_equal(np.asarray(f(x[:1], w)), every[:1])

@@ -1,5 +1,6 @@
 """Paged attention as a native XLA:CPU kernel: native/paged_attention.cc, an XLA FFI custom call
-(built with native/matvec.cc, the one-row product over stacked weights that `layers.InPlace` uses).
+(built with native/gemm.cc, the product of a step's rows and a stacked weight laid out in panels,
+read in place, that `layers.InPlace` uses).
 
 XLA has no paged attention op, so its CPU path (xla_paged.py) copies each row's pages into a
 gathered block per layer, at the few GB/s XLA:CPU gathers 12 KB pages, before two batched
@@ -35,10 +36,9 @@ from pddjax.model.attention.ragged import Ragged
 log = logging.getLogger(__name__)
 
 TARGET = "pddjax_paged_attention"
-MATVEC_TARGET = "pddjax_matvec"  # one row times a stacked weight in place (native/matvec.cc; layers.InPlace)
-GEMM_TARGET = "pddjax_gemm"  # a few rows times a stacked weight in place (native/gemm.cc; layers.InPlace)
+GEMM_TARGET = "pddjax_gemm"  # a step's rows times a stacked weight in panels, in place (native/gemm.cc; layers.InPlace)
 _NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
-SOURCES = tuple(os.path.join(_NATIVE, f) for f in ("paged_attention.cc", "matvec.cc", "gemm.cc"))
+SOURCES = tuple(os.path.join(_NATIVE, f) for f in ("paged_attention.cc", "gemm.cc"))
 # included by the sources: in the library's key too
 HEADERS = tuple(os.path.join(_NATIVE, f) for f in ("parallel.h", "counts.h"))
 DTYPES = (jnp.float32, jnp.bfloat16)  # q and the pool; another dtype takes XLA's path
@@ -104,7 +104,6 @@ def _load() -> str | None:
             _build(path, cxx)
         lib = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PddjaxPagedAttention), platform="cpu")
-        jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(lib.PddjaxMatvec), platform="cpu")
         jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.PddjaxGemm), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
@@ -144,14 +143,13 @@ def paged_attention_native(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                 rows.page_tables.astype(jnp.int32), sm_scale=np.float32(rows.sm_scale))
 
 
-def product_in_place(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
-    """x [M, K] float32 @ w[layer] (w [L, K, N] float32, read in place) -> [M, N] float32: one row
-    through the one-row product (native/matvec.cc), more through native/gemm.cc."""
+def product_in_place(x: jax.Array, panels: jax.Array, layer: jax.Array | int, n: int) -> jax.Array:
+    """x [M, K] float32 @ layer `layer` of a stacked weight in panels (panels [L, P, K, 16] float32,
+    `weights.Panels`, read in place) -> [M, n] float32 (native/gemm.cc, any M)."""
     why = _load()
     if why is not None:
         raise RuntimeError(f"native kernels unavailable: {why}")
     layer = jnp.asarray(layer, jnp.int32).reshape(())  # []
-    target = MATVEC_TARGET if x.shape[0] == 1 else GEMM_TARGET
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32),
+    call = jax.ffi.ffi_call(GEMM_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(x, w, layer)
+    return call(x, panels, layer)
