@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pddjax.model.config import ModelConfig, RopeScaling
-from pddjax.model.weights import IN_PANELS, Panels, Weights
+from pddjax.model.weights import IN_PANELS, PANEL, Panels, Weights
 
 
 def rms_norm(x, scale, eps: float):
@@ -143,12 +143,19 @@ def mlp(layer, h, cfg: ModelConfig):
 
 def embed(w: Weights, tokens):
     # tokens: [T] int32 -> [T, E]
+    if w.embed is None:  # tied, in panels (weights.in_panels): token t is column t of the head [E, V]
+        return w.lm_head.data[0][tokens // PANEL, :, tokens % PANEL]
     return jnp.take(w.embed, tokens, axis=0)
 
 
 def logits(w: Weights, h, cfg: ModelConfig):
     """Final norm and LM head. h: [T, E] -> [T, V] float32."""
     x = rms_norm(h, w.final_norm, cfg.rms_eps)
+    if isinstance(w.lm_head, Panels):  # a native CPU engine's (weights.in_panels): read in place
+        head = w.lm_head
+        if x.shape[0] <= IN_PLACE_MAX_TOKENS:
+            return mm(x, InPlace(head, jnp.int32(0)))
+        return mm(x, jax.tree_util.tree_map(lambda a: a[0], head))
     head = w.embed.T if w.lm_head is None else w.lm_head  # [E, V]
     return jnp.einsum("te,ev->tv", x, head, preferred_element_type=jnp.float32)
 

@@ -44,9 +44,9 @@ FUSED_FROM = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 @flax.struct.dataclass
 class Weights:
-    embed: jax.Array  # [V, E]
+    embed: jax.Array | None  # [V, E] (None in panels when tied: the head's panels hold it, `in_panels`)
     final_norm: jax.Array  # [E]
-    lm_head: jax.Array | None  # [E, V], None when tied to `embed`
+    lm_head: jax.Array | Panels | None  # [E, V], None when tied to `embed`; Panels (`in_panels`)
     layers: LayerWeights
 
 
@@ -146,11 +146,15 @@ def to_panels(w: jax.Array) -> Panels:
 
 
 def in_panels(w: Weights) -> Weights:
-    """The fused weights with the four products' weights (wo as [L, H * D, E]) in panels: what a
-    CPU engine at one device with the native kernels computes with (`layers.in_place_ok`)."""
+    """The fused weights with the four products' weights (wo as [L, H * D, E]) and the LM head
+    ([E, V], one layer) in panels: what a CPU engine at one device with the native kernels
+    computes with (`layers.in_place_ok`). A tied embedding is held once, as the head's panels
+    (`layers.embed` reads a token's row as a column of them); `embed` is None then."""
     lw = w.layers
     L, E = lw.wo.shape[0], lw.wo.shape[-1]
-    return w.replace(layers=lw.replace(wqkv=to_panels(lw.wqkv), wo=to_panels(lw.wo.reshape(L, -1, E)),
+    head = to_panels((w.embed.T if w.lm_head is None else w.lm_head)[None])  # data [1, P, E, 16]
+    return w.replace(embed=None if w.lm_head is None else w.embed, lm_head=head,
+                     layers=lw.replace(wqkv=to_panels(lw.wqkv), wo=to_panels(lw.wo.reshape(L, -1, E)),
                                        w_gate_up=to_panels(lw.w_gate_up), w_down=to_panels(lw.w_down)))
 
 

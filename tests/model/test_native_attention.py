@@ -193,8 +193,9 @@ def test_a_one_row_step_takes_the_in_place_products():
 @pytest.mark.parametrize("tokens,in_place", [(3, True), (80, False)])
 def test_a_step_of_few_tokens_takes_the_in_place_products(tokens, in_place):
     """The tiny model's forward with one row of `tokens` new tokens: up to IN_PLACE_MAX_TOKENS the
-    native path runs the products in place (gemm), beyond it XLA's over the weights in panels; the
-    logits are XLA's (over the weights as stored) either way."""
+    native path runs the products in place (gemm), beyond it XLA's over the weights in panels (the
+    LM head in place either way: its rows are the step's last tokens); the logits are XLA's (over
+    the weights as stored) either way."""
     from pddjax.model import layers
     from pddjax.model.paged import PackedBatch
 
@@ -207,9 +208,31 @@ def test_a_step_of_few_tokens_takes_the_in_place_products(tokens, in_place):
     text, a, b = _tiny_forward_native_and_xla(tokens, lambda cfg: PackedBatch(
         i32(np.arange(tokens) % cfg.vocab_size), i32(positions), i32(1 + positions // 16), i32(positions % 16),
         i32([0, tokens]), i32([ctx + tokens]), table, i32([tokens - 1])))
-    assert ("pddjax_gemm" in text) == in_place
+    assert text.count("pddjax_gemm") == (5 if in_place else 1), text.count("pddjax_gemm")  # the head: always
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weights_in_panels_embed_and_project_as_stored(tied):
+    """weights.in_panels: a token's embedding read from the head's panels (tied: the embedding is
+    held once) and the logits through the in-place head equal those of the weights as stored."""
+    from pddjax.model import layers, weights
+    from pddjax.model.registry import load_model
+
+    m = load_model("tiny")
+    w = weights.for_engine(m.weights, one_device=True)
+    if not tied:
+        w = w.replace(lm_head=jnp.asarray(np.random.default_rng(3).standard_normal(w.embed.T.shape), jnp.float32))
+    elif w.lm_head is not None:
+        w = w.replace(lm_head=None)
+    panels = weights.in_panels(w)
+    assert (panels.embed is None) == tied and isinstance(panels.lm_head, weights.Panels)
+    tokens = jnp.asarray([0, 5, 17, m.config.vocab_size - 1], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(layers.embed(panels, tokens)), np.asarray(layers.embed(w, tokens)))
+    h = jnp.asarray(np.random.default_rng(4).standard_normal((3, m.config.hidden)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(layers.logits, static_argnums=2)(panels, h, m.config)),
+                               np.asarray(layers.logits(w, h, m.config)), rtol=1e-4, atol=1e-4)
 
 
 def test_a_rows_product_does_not_depend_on_the_other_rows():
