@@ -13,7 +13,8 @@ its own method's name (serving/authz.py), as its unary RPC would be. While the s
 a new call is answered UNAVAILABLE and the stream ends once none is in flight. The caller
 half-closing ends the stream once its calls are answered; the caller going away cancels them.
 Each call counts in the service's pddjax_rpc_total / pddjax_rpc_seconds under its own method.
-At most MAX_IN_FLIGHT calls run at once on one stream; one more is refused RESOURCE_EXHAUSTED.
+At most MAX_IN_FLIGHT calls run at once on one stream; one more is refused RESOURCE_EXHAUSTED
+(a cancelled call's place is free at once, for a call sent right after the cancel).
 """
 
 from __future__ import annotations
