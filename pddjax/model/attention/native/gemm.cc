@@ -6,9 +6,10 @@
 // scan's dynamic slice: every weight written once more per step) and its matrix library packs it
 // again. Here each panel is a contiguous K x NR block, read once from memory in order: tasks are
 // blocks of whole panels (about four a thread) over XLA's intra-op threads; each walks its block
-// KC rows at a time and runs a register-blocked MR x NR product over each panel for every MR rows
-// of x. The sums run over the same KC-row blocks in the same order for any M (1 row included), so
-// a row's result does not depend on the other rows of the step.
+// panel by panel, KC rows at a time (so a task's reads are one stream), and runs a
+// register-blocked MR x NR product over each KC-row piece for every MR rows of x. The sums run over
+// the same KC-row blocks in the same order for any M (1 row included), so a row's result does not
+// depend on the other rows of the step.
 
 #include <algorithm>
 #include <cstdint>
@@ -73,11 +74,11 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const int64_t blocks = (P + per - 1) / per;
   pddjax_native::run_tasks(pool, blocks, [&](int64_t t) {
     const int64_t p1 = std::min(P, (t + 1) * per);
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-      const int64_t kc = std::min(KC, K - k0);
-      for (int64_t p = t * per; p < p1; ++p) {
+    for (int64_t p = t * per; p < p1; ++p) {
+      const int64_t cols = std::min(NR, N - p * NR);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
         const float* panel = ws + (p * K + k0) * NR;
-        const int64_t cols = std::min(NR, N - p * NR);
         for (int64_t m = 0; m < M; m += MR)
           pddjax_native::with_count<MR>(M - m, [&](auto rows) {
             product<decltype(rows)::value>(xs + m * K + k0, K, panel, kc, ys + m * N + p * NR, N, cols, k0 > 0);
