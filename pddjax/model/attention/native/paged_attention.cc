@@ -160,8 +160,6 @@ inline void qk_dots(const float* q, const float* kp, int64_t D, int64_t slots, i
   }
 }
 
-
-
 // acc[x][d0 + 8v] += sum over the page's slots s of w[x][s] * V[s][d0 + 8v], for NQ (<= 4) query
 // vectors.
 template <int NQ, int NV>
