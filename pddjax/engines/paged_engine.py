@@ -83,10 +83,10 @@ class PagedEngine(Engine):
             raise ValueError(f"tensor_parallel must be a positive integer, got {tp!r}")
         self.cfg, self.config, self.fingerprint = cfg, config, fingerprint
         self.layout = EngineMesh.build(cfg, config.tensor_parallel)  # ValueError: degree not admitted / no devices
-        weights = wmod.cast(wmod.for_engine(weights, self.layout.mesh is None), jnp.dtype(config.dtype))
-        if (config.attention == "native" and self.layout.mesh is None and weights.layers.wqkv is not None
-                and jnp.dtype(config.dtype) == jnp.float32):  # steps of few tokens read them in place
-            weights = wmod.in_panels(weights)
+        weights = wmod.for_engine(weights, self.layout.mesh is None)
+        if wmod.wants_panels(weights, config.attention, self.layout.mesh is None, config.dtype):
+            weights = wmod.in_panels(weights)  # steps of few tokens read them in place
+        weights = wmod.cast(weights, jnp.dtype(config.dtype))
         self.weights = self.layout.put_weights(weights)
         self.pool = self.layout.put_pool(KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, config.num_pages,
                                                       config.page_size, cfg.head_dim, jnp.dtype(config.dtype)))

@@ -137,19 +137,48 @@ class Panels:
         return self.data.dtype
 
 
-def to_panels(w: jax.Array) -> Panels:
-    """[L, K, N] -> Panels [L, ceil(N / PANEL), K, PANEL]."""
+ALIGN = 64  # bytes: XLA:CPU takes a host buffer aligned so without a copy (`cast`)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised C-ordered array whose data starts on an ALIGN-byte boundary."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(size + ALIGN, np.uint8)
+    at = (-raw.ctypes.data) % ALIGN
+    return raw[at:at + size].view(dtype).reshape(shape)
+
+
+def to_panels(w) -> Panels:
+    """[L, K, N] -> Panels [L, ceil(N / PANEL), K, PANEL]. Numpy in, numpy out when given numpy, in
+    an aligned buffer (an engine lays its weights out on the host before it places them, and
+    `cast` hands that buffer to XLA as it is)."""
     L, K, N = w.shape
     P = -(-N // PANEL)
-    padded = jnp.pad(w, ((0, 0), (0, 0), (0, P * PANEL - N))) if P * PANEL != N else w
-    return Panels(jnp.transpose(padded.reshape(L, K, P, PANEL), (0, 2, 1, 3)), N)
+    if not isinstance(w, np.ndarray):
+        padded = jnp.pad(w, ((0, 0), (0, 0), (0, P * PANEL - N))) if P * PANEL != N else w
+        return Panels(jnp.transpose(padded.reshape(L, K, P, PANEL), (0, 2, 1, 3)), N)
+    data = aligned_empty((L, P, K, PANEL), w.dtype)  # [L, P, K, PANEL]
+    whole = N // PANEL
+    data[:, :whole] = w[:, :, :whole * PANEL].reshape(L, K, whole, PANEL).transpose(0, 2, 1, 3)
+    if whole < P:  # the last panel's columns past N are zeros
+        data[:, whole:] = 0
+        data[:, whole, :, :N - whole * PANEL] = w[:, :, whole * PANEL:]
+    return Panels(data, N)
+
+
+def wants_panels(w: Weights, attention: str, one_device: bool, dtype) -> bool:
+    """Whether an engine holds these (fused) weights in panels: the native CPU kernels at one device,
+    float32 (`layers.in_place_ok` then reads the four products and the LM head in place)."""
+    return attention == "native" and one_device and w.layers.wqkv is not None and jnp.dtype(dtype) == jnp.float32
 
 
 def in_panels(w: Weights) -> Weights:
     """The fused weights with the four products' weights (wo as [L, H * D, E]) and the LM head
     ([E, V], one layer) in panels: what a CPU engine at one device with the native kernels
-    computes with (`layers.in_place_ok`). A tied embedding is held once, as the head's panels
-    (`layers.embed` reads a token's row as a column of them); `embed` is None then."""
+    computes with (`wants_panels`, `layers.in_place_ok`). A tied embedding is held once, as the
+    head's panels (`layers.embed` reads a token's row as a column of them); `embed` is None then.
+    Numpy in, numpy out when given numpy."""
     lw = w.layers
     L, E = lw.wo.shape[0], lw.wo.shape[-1]
     head = to_panels((w.embed.T if w.lm_head is None else w.lm_head)[None])  # data [1, P, E, 16]
@@ -159,10 +188,18 @@ def in_panels(w: Weights) -> Weights:
 
 
 def cast(w: Weights, dtype) -> Weights:
-    """Matrices and biases to `dtype`; norms (q/k norms too) stay float32 (tiny and precision-sensitive)."""
-    d = to_dict(w)
-    out = {k: jnp.asarray(v, jnp.float32 if k.endswith("norm") else dtype) for k, v in d.items()}
-    return from_dict(out)
+    """Matrices and biases to `dtype` (weights in panels too); norms (q/k norms too) stay float32
+    (tiny and precision-sensitive)."""
+    def to(name, v):
+        want = jnp.float32 if name.endswith("norm") else dtype
+        if isinstance(v, Panels):  # from `in_panels`: a buffer of its own, taken as it is when aligned
+            data = v.data
+            if isinstance(data, np.ndarray) and data.dtype == want:
+                return Panels(jax.device_put(data, may_alias=True), v.n)
+            return Panels(jnp.asarray(data, want), v.n)
+        return jnp.asarray(v, want)
+
+    return from_dict({k: None if v is None else to(k, v) for k, v in to_dict(w).items()})  # embed None: in panels
 
 
 def partition_specs(w: Weights, rules: dict[str, str | None] = DEFAULT_RULES) -> Weights:

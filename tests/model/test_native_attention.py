@@ -247,3 +247,20 @@ def test_a_rows_product_does_not_depend_on_the_other_rows():
     every = np.asarray(f(x, w))
     np.testing.assert_array_equal(np.asarray(f(x[:2], w)), every[:2])
     np.testing.assert_array_equal(np.asarray(f(x[:1], w)), every[:1])
+
+
+@pytest.mark.parametrize("n", [64, 70, 5])
+def test_panels_laid_out_on_the_host_are_placed_without_a_copy(n):
+    """weights.to_panels of a numpy weight: the same panels as from a device array (the last panel
+    zero-padded past N), in an aligned host buffer that `cast` hands to XLA as it is."""
+    from pddjax.model import weights
+
+    w = np.random.default_rng(6).standard_normal((2, 33, n)).astype(np.float32)
+    host, device = weights.to_panels(w), weights.to_panels(jnp.asarray(w))
+    assert isinstance(host.data, np.ndarray) and host.data.ctypes.data % weights.ALIGN == 0
+    assert host.n == device.n == n
+    np.testing.assert_array_equal(host.data, np.asarray(device.data))
+    placed = weights.cast(weights.Weights(embed=np.zeros((4, 33), np.float32), final_norm=np.ones(33, np.float32),
+                                          lm_head=host, layers=weights.LayerWeights(*[None] * 9)), jnp.float32)
+    assert isinstance(placed.lm_head.data, jax.Array)
+    assert placed.lm_head.data.unsafe_buffer_pointer() == host.data.ctypes.data  # no copy
