@@ -113,10 +113,11 @@ def build_engine(cfg: ServiceConfig, clock=None):
         model = load_model_or_refuse(cfg.model)
     model = dataclasses.replace(model, config=capped_context(model.config, cfg.max_context))
     ecfg = EngineConfig(**cfg.engine)
-    if isinstance(channel, multihost.Leader):  # its engine tells the followers of each device call
-        engine = multihost.LeaderEngine(model.config, model.weights, model.fingerprint, ecfg, leader=channel)
-    else:
-        engine = PagedEngine(model.config, model.weights, model.fingerprint, ecfg, grammar=compiler_for(model))
+    with phase(clock, "engine_s"):  # the weights laid out and placed, the pool allocated
+        if isinstance(channel, multihost.Leader):  # its engine tells the followers of each device call
+            engine = multihost.LeaderEngine(model.config, model.weights, model.fingerprint, ecfg, leader=channel)
+        else:
+            engine = PagedEngine(model.config, model.weights, model.fingerprint, ecfg, grammar=compiler_for(model))
     ready = "all" if cfg.num_processes > 1 else ecfg.ready  # a group's processes build the same set
     variants, seconds = engine.precompile(ready, clock)
     rest = f"; {len(engine.stated) - len(engine.shapes)} more building in the background" if engine.background else ""

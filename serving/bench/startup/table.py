@@ -3,7 +3,7 @@ start (healthy, first token) and, per service, where its start went."""
 
 from __future__ import annotations
 
-PHASES = ("jax_s", "weights_s", "shapes_s", "kv_copies_s")  # a service's own phases, in order
+PHASES = ("jax_s", "weights_s", "engine_s", "shapes_s", "kv_copies_s")  # a service's own phases, in order
 JAX = ("trace_s", "lower_s", "xla_compile_s", "cache_read_s", "cache_hits", "cache_misses")
 
 
