@@ -60,9 +60,10 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _command(cxx: str, out: str) -> list[str]:
+def _command(cxx: str, out: str, sources: tuple[str, ...] = SOURCES) -> list[str]:
+    """The compiler's command line that builds `sources` into the shared library `out`."""
     return [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-            "-I", jax.ffi.include_dir(), *SOURCES, "-o", out]
+            "-I", jax.ffi.include_dir(), *sources, "-o", out]
 
 
 def _library_path(cxx: str) -> str:
