@@ -72,13 +72,7 @@ def main(argv=None) -> int:
                 sides[impl] = [fwd.lower(w, batch, pool).compile(), pool, [], None, w]
             finally:
                 layers.IN_PLACE_MAX_TOKENS = default
-        for _ in range(args.reps):
-            for side in sides.values():
-                t0 = time.perf_counter()
-                logits, side[1] = side[0](side[4], batch, side[1])
-                side[3] = np.asarray(logits)
-                side[2].append(time.perf_counter() - t0)
-        ms = {impl: 1e3 * statistics.median(side[2]) for impl, side in sides.items()}
+        ms = interleaved(sides, batch, args.reps)
         base, other = sides[impls[0]][3], sides[impls[-1]][3]
         row = {"shape": [T, B, MP, Q], "ms": {k: round(v, 2) for k, v in ms.items()},
                "ratio": round(ms[impls[-1]] / ms[impls[0]], 3),
@@ -92,6 +86,21 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "context": args.context, "impls": impls, "shapes": results}, f, indent=1)
     return 0
+
+
+def interleaved(sides: dict[str, list], batch, reps: int) -> dict[str, float]:
+    """`reps` rounds of one step of each side in turn -> {side: median ms}. A side is [compiled
+    forward, its pool (donated: replaced by each step's), step seconds so far, the last step's
+    logits, the weights it takes]; the logits are left in it for the caller to compare."""
+    import numpy as np
+
+    for _ in range(reps):
+        for side in sides.values():
+            t0 = time.perf_counter()
+            logits, side[1] = side[0](side[4], batch, side[1])
+            side[3] = np.asarray(logits)
+            side[2].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(side[2]) for name, side in sides.items()}
 
 
 if __name__ == "__main__":

@@ -21,10 +21,8 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 import subprocess
 import tempfile
-import time
 
 DEFAULT_SHAPES = "1,1,32,1 4,4,32,1 8,8,32,1 16,16,32,1 32,32,32,1 16,1,32,16 64,1,32,64"
 SUFFIX = "_other"  # the other revision's targets: pddjax_paged_attention_other, pddjax_gemm_other
@@ -81,6 +79,7 @@ def main(argv=None) -> int:
     from pddjax.model.attention import native_paged
     from pddjax.model.paged import forward_paged
     from pddjax.model.registry import load_model
+    from tools.attention_ab import interleaved
     from tools.step_trace import _batch
 
     if not native_paged.available():
@@ -113,14 +112,8 @@ def main(argv=None) -> int:
                 native_paged.TARGET, native_paged.GEMM_TARGET = names["new"]
             if f'custom_call_target="{attention}"' not in compiled.as_text():
                 raise SystemExit(f"kernel_ab: the {side} side's forward does not call {attention}")
-            sides[side] = [compiled, pool, [], None]
-        for _ in range(args.reps):
-            for s in sides.values():
-                t0 = time.perf_counter()
-                logits, s[1] = s[0](weights, batch, s[1])
-                s[3] = np.asarray(logits)
-                s[2].append(time.perf_counter() - t0)
-        ms = {side: 1e3 * statistics.median(s[2]) for side, s in sides.items()}
+            sides[side] = [compiled, pool, [], None, weights]
+        ms = interleaved(sides, batch, args.reps)
         row = {"shape": [T, B, MP, Q], "ms": {k: round(v, 2) for k, v in ms.items()},
                "new_over_old": round(ms["new"] / ms["old"], 3),
                "bitwise_same": bool(np.array_equal(sides["old"][3], sides["new"][3]))}
