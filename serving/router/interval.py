@@ -5,12 +5,13 @@ token may wait before it is sent; 0: no time bound) are the service's; a request
 `GenerateRequest.stream_interval` / `stream_interval_ms` may only be coarser (as vLLM's): a finer
 one is raised to the service's (`chosen`), one out of range is INVALID_ARGUMENT naming the field.
 
-`Group` sits between `stream.Output`'s messages and the user's stream. The first message with
-tokens and the final one (finish_reason, usage, timings) go at once; the others are held and
-joined (`join`: tokens, sources, text, logprobs appended; a tool call's deltas merged into one
-per call) until K tokens are held, or the oldest held token waited the bound (`Output` wakes
-for it: `due`). Every message still carries deltas only: what was held goes once, in order.
-At K = 1 and no bound a message passes through untouched (no copy).
+`Group` sits between `stream.Output`'s per-batch deltas and the user's stream. The first delta
+with tokens and the final one (finish_reason) go at once; the others are held and joined (`join`:
+tokens, sources, text, logprobs appended; a tool call's deltas merged into one per call) until K
+tokens are held, or the oldest held token waited the bound (`Output` wakes for it: `due`). A
+`Delta` is plain Python: only what goes out becomes a GenerateResponse (`Output._response`), once
+per message, so a held token costs list appends, not protobuf construction. Every message still
+carries deltas only: what was held goes once, in order.
 """
 
 from __future__ import annotations
@@ -39,50 +40,58 @@ def chosen(tokens: int, ms: float, req) -> tuple[int, float]:
     return tokens, ms
 
 
-def join(held, msg) -> None:
-    """`msg`'s deltas appended to `held` (GenerateResponses of one request, in order)."""
-    held.token_ids.extend(msg.token_ids)
-    held.sources.extend(msg.sources)
-    if msg.text:
-        held.text += msg.text
-    if msg.logprobs:
-        held.logprobs.extend(msg.logprobs)
-    for d in msg.tool_calls:
+class Delta:
+    """What a message adds to the user's stream: tokens, their sources, text pieces, logprobs
+    (TokenLogprob), tool-call deltas (ToolCallDelta), and the finish reason (0: none)."""
+
+    __slots__ = ("token_ids", "sources", "text", "logprobs", "tool_calls", "finish_reason")
+
+    def __init__(self, token_ids: list[int], sources: list[int], text: str = "", logprobs=(), tool_calls=(),
+                 finish_reason: int = 0):
+        self.token_ids, self.sources, self.finish_reason = token_ids, sources, finish_reason
+        self.text = [text] if text else []  # pieces, joined once when the message is built
+        self.logprobs, self.tool_calls = list(logprobs), list(tool_calls)
+
+
+def join(held: Delta, d: Delta) -> None:
+    """`d` appended to `held` (deltas of one request, in order)."""
+    held.token_ids += d.token_ids
+    held.sources += d.sources
+    held.text += d.text
+    held.logprobs += d.logprobs
+    for c in d.tool_calls:
         last = held.tool_calls[-1] if held.tool_calls else None
-        if last is not None and last.index == d.index:  # the same call: its pieces in one delta
-            last.arguments += d.arguments
-            last.id, last.name = last.id or d.id, last.name or d.name
+        if last is not None and last.index == c.index:  # the same call: its pieces in one delta
+            last.arguments += c.arguments
+            last.id, last.name = last.id or c.id, last.name or c.name
         else:
-            held.tool_calls.add().CopyFrom(d)
-    if msg.finish_reason:
-        held.finish_reason = msg.finish_reason
-        held.usage.CopyFrom(msg.usage)
-        held.timings.CopyFrom(msg.timings)
+            held.tool_calls.append(c)
+    held.finish_reason = held.finish_reason or d.finish_reason
 
 
 class Group:
-    """One request's held message (or none). `add(msg)` -> the message to send now, or None."""
+    """One request's held delta (or none). `add(d)` -> the Delta to send now, or None."""
 
     def __init__(self, tokens: int = 1, ms: float = 0.0):
         self.tokens, self.wait_s = tokens, ms / 1e3
-        self.held = None  # a GenerateResponse the others are joined into
+        self.held: Delta | None = None  # the delta the others are joined into
         self.count = 0  # tokens held
         self.due: float | None = None  # perf_counter by which `held` must go (a bound set, something held)
         self.started = False  # the first tokens went
 
-    def add(self, msg):
+    def add(self, d: Delta) -> Delta | None:
         if self.held is None:
-            if not self.started or msg.finish_reason or self.tokens == 1:
-                self.started = self.started or bool(msg.token_ids)
-                return msg
-            self.held, self.count = msg, len(msg.token_ids)
+            if not self.started or d.finish_reason or self.tokens == 1:
+                self.started = self.started or bool(d.token_ids)
+                return d
+            self.held, self.count = d, len(d.token_ids)
             self.due = time.perf_counter() + self.wait_s if self.wait_s else None
         else:
-            join(self.held, msg)
-            self.count += len(msg.token_ids)
-        return self.take() if self.count >= self.tokens or msg.finish_reason else None
+            join(self.held, d)
+            self.count += len(d.token_ids)
+        return self.take() if self.count >= self.tokens or d.finish_reason else None
 
-    def take(self):
-        """The held message (its bound passed, or it is complete); nothing is held after."""
-        msg, self.held, self.count, self.due = self.held, None, 0, None
-        return msg
+    def take(self) -> Delta:
+        """The held delta (its bound passed, or it is complete); nothing is held after."""
+        d, self.held, self.count, self.due = self.held, None, 0, None
+        return d

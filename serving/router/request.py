@@ -26,6 +26,7 @@ exactly when the stream switched, ...; tests call it, the service when a request
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 from typing import TYPE_CHECKING
@@ -69,15 +70,43 @@ def from_rpc(e: grpc.aio.AioRpcError, who: str) -> Abort:
     return Abort(e.code(), details, who)
 
 
-def _queue() -> asyncio.Queue:
-    return asyncio.Queue()
+class Inbox:
+    """A request's one output queue: (role, TokenBatch | Abort) from both tiers, in arrival
+    order. `listen(fn)`: fn() runs once per event-loop pass that brought items (call_soon), so
+    the batches of one DecodeStream message, or of one RLD / MD wave, are read together and the
+    reader wakes its own task only when it has something to send (stream.Output)."""
+
+    def __init__(self):
+        self.items: collections.deque = collections.deque()
+        self.listener = None
+        self._soon = False  # a run of the listener is scheduled
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        if self.listener is not None and not self._soon:
+            self._soon = True
+            asyncio.get_running_loop().call_soon(self._run)
+
+    def _run(self) -> None:
+        self._soon = False
+        if self.listener is not None:
+            self.listener()
+
+    def listen(self, fn) -> None:
+        self.listener = fn
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def get_nowait(self):
+        return self.items.popleft()
 
 
 class Tagged:
     """One tier's side of a request's single output queue: `put_nowait(item)` queues
     (role, item), so `stream.Output` sees RLD's and MD's batches in arrival order."""
 
-    def __init__(self, out: asyncio.Queue, role: int):
+    def __init__(self, out: Inbox, role: int):
         self.out, self.role = out, role
 
     def put_nowait(self, item) -> None:
@@ -146,7 +175,7 @@ class Request:
     tasks: list = dataclasses.field(default_factory=list)  # asyncio.Task | Subscription: cancelled when it ends
 
     # ---- the output (stream) ----
-    out: asyncio.Queue = dataclasses.field(default_factory=_queue)  # (role, TokenBatch | Abort), both tiers
+    out: Inbox = dataclasses.field(default_factory=Inbox)  # (role, TokenBatch | Abort), both tiers
     relay_out: Tagged = dataclasses.field(init=False)  # RLD's side of `out`
     main_out: Tagged = dataclasses.field(init=False)  # MD's side of `out`
     tokens: list[int] = dataclasses.field(default_factory=list)  # sent to the user

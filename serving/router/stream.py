@@ -1,19 +1,21 @@
 """The user's token stream: the tiers' Decode streams in, GenerateResponses out.
 
-  - the tiers' batches arrive in the request's queue (`Request.relay_out` / `main_out`) from
-    their instances' DecodeStreams (`decode_streams.Subscription`); a broken stream becomes an
-    `Abort` there, or what its `on_error` makes of it (pdd's RLD: MD taking over,
-    `recovery.take_over`);
-  - `expire` puts the client's deadline into the queues (the stream fails DEADLINE_EXCEEDED
+  - the tiers' batches arrive in the request's inbox (`Request.relay_out` / `main_out`,
+    `request.Inbox`) from their instances' DecodeStreams (`decode_streams.Subscription`); a
+    broken stream becomes an `Abort` there, or what its `on_error` makes of it (pdd's RLD: MD
+    taking over, `recovery.take_over`);
+  - `expire` puts the client's deadline into the inbox (the stream fails DEADLINE_EXCEEDED
     even when no tier reports it);
-  - `Output.messages` reads the relay queue while the request is RELAY_STREAMING or
-    RELAY_LOST, then (after a batch `handed_off`, or MD caught up: MAIN_STREAMING) the main one,
-    checks every batch's position (no gap, duplicate or reorder), decodes text incrementally
-    (`detok.IncrementalText`: an incomplete UTF-8 sequence and a possible stop string's start
-    held back; stop strings end the stream), times tokens (TTFT, ITL, RLD's decode speed), and
-    puts usage and timings on the last message; `interval.Group` groups the messages per the
-    request's stream interval (the first tokens and the last message at once). The caller
-    settles the request when it gets that message, before passing it on.
+  - `Output` reads the relay batches while the request is RELAY_STREAMING or RELAY_LOST, then
+    (after a batch `handed_off`, or MD caught up: MAIN_STREAMING) the main ones, as they arrive
+    (once per event-loop pass, not on the request's own task), checks every batch's position
+    (no gap, duplicate or reorder), decodes text incrementally (`detok.IncrementalText`: an
+    incomplete UTF-8 sequence and a possible stop string's start held back; stop strings end
+    the stream), books RLD's decode speed, and groups the deltas per the request's stream
+    interval (`interval.Group`: the first tokens and the last message at once);
+  - `Output.messages` wakes when a message is ready, builds it (usage and timings on the last;
+    its tokens timed as sent: TTFT, ITL) and yields it. The caller settles the request when it
+    gets the last message, before passing it on.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from typing import TYPE_CHECKING
 import grpc
 
 from serving.pb import cluster_pb2, common_pb2, router_pb2
-from serving.router import token_bytes
 from serving.router.ahead import Ahead, Verdict
 from serving.router.detok import IncrementalText
-from serving.router.interval import Group
+from serving.router.interval import Delta, Group, join
+from serving.router.message import Messages
 from serving.router.request import PIPELINE_NAMES, Abort, Request
 from serving.router.request_state import State
 from serving.router.tools import ToolText
@@ -52,6 +54,11 @@ def _terminal(item) -> bool:
     return isinstance(item, Abort) or bool(item.finish_reason) or item.handed_off
 
 
+def _same_source(d: Delta, nxt) -> bool:
+    """`nxt` may join `d` in one message: a Delta from the same tier (a switch starts a message)."""
+    return isinstance(nxt, Delta) and (not d.sources or not nxt.sources or d.sources[-1] == nxt.sources[0])
+
+
 class Output:
     """One request's outgoing stream, from a request already streaming (RELAY_STREAMING or
     MAIN_STREAMING). `tokenizer` None: no text; `stop_strings` end it early; `on_switch()` runs
@@ -64,7 +71,7 @@ class Output:
                  give_up=None):
         self.r, self.timer = r, metrics.timer(r.t0)
         self.text = IncrementalText(tokenizer, stop_strings)  # O(batch) per batch
-        self.tokenizer, self._texts = tokenizer, {}  # token id -> its text alone (logprobs' token strings)
+        self.build = Messages(r, tokenizer)  # Delta -> GenerateResponse
         self.tools = ToolText(r.tools) if r.tools is not None else None  # tool calls read out of the text
         self.on_switch = on_switch
         self.group = Group(*r.stream_interval)  # messages grouped per the stream interval
@@ -75,6 +82,12 @@ class Output:
         self.on_hold = on_hold  # async (hold: bool) -> None: RLD pauses / resumes the request (its Hold RPC)
         self._hold_sent: asyncio.Task | None = None  # the last Hold sent (each waits for the one before)
         self.give_up = give_up  # () -> bool: MD is given up (router/give_up.py), the stream stays on RLD
+        self.wants_logprobs = r.wants_logprobs  # fixed once the request is read
+        self.pipeline_name = PIPELINE_NAMES[r.pipeline]  # the metrics' label (the pipeline is chosen by now)
+        self.outbox: collections.deque = collections.deque()  # Deltas ready to send; an exception ends the stream
+        self.finish = 0  # the finish reason readied (-1: the stream failed): nothing is read after it
+        self._waiter: asyncio.Future | None = None  # `messages` waiting for the outbox
+        self._wait_due: float | None = None  # the bound it waits with
 
     @property
     def on_main(self) -> bool:
@@ -87,59 +100,127 @@ class Output:
         position (`ahead.Ahead`); once MD agrees and is close, RLD's batches are held back until
         MD covers every token the user has, then the stream moves to MD; if MD proves different
         (or is later than HOLD_MAX_S), RLD's held batches go on and RLD keeps the request. RLD's
-        own handed_off batch (one-shot, or MD taking over a broken RLD) switches at once."""
-        r, group = self.r, self.group
-        finish = common_pb2.FINISH_REASON_UNSPECIFIED
-        while not finish:
-            item = await self._next()
-            new, lps, switch = [], [], False
-            if item is None:  # a held message's bound, or the hold on RLD, ran out
-                if group.due is not None and group.due <= time.perf_counter():
-                    yield group.take()
-                items = []
-            else:
-                items = [item]
-                while self._ready() and not _terminal(items[-1][1]):
-                    items.append(self._get_nowait())
-            for role, it in items:
-                if (role == common_pb2.ROLE_MAIN) != self.on_main:
-                    if not self.on_main:
-                        self.ahead.add(it)
-                    continue  # RLD's batches after the switch: it is being released
-                if self.relay_held is not None:  # the user waits for MD: RLD's batches held back
-                    self.relay_held.append((role, it))
-                    continue
-                if isinstance(it, Abort):
-                    raise it
-                if self.on_main:  # MD's stream may overlap what the user has (it started behind)
-                    it = self._from(it, len(r.tokens) + len(new))
-                    if it is None:
+        own handed_off batch (one-shot, or MD taking over a broken RLD) switches at once.
+
+        The batches are read where they arrive: the request's inbox runs `_feed` once per loop
+        pass that brought it items (`request.Inbox`), and this generator wakes only when a
+        message is ready (`outbox`), or a held message's bound or the hold on RLD runs out. So
+        at K tokens a message the request's task wakes once per K tokens, not per batch."""
+        self.r.out.listen(self._feed)
+        try:
+            self._feed()  # what arrived before the stream began
+            while True:
+                if not self.outbox:
+                    if await self._wait():
                         continue
-                if it.token_ids and it.start_position != len(r.tokens) + len(new):
-                    raise Abort(grpc.StatusCode.INTERNAL, f"token stream out of order at position {it.start_position}")
+                    self._guarded(None)  # a bound ran out
+                    self._feed()  # RLD's held items, if the hold ended, then anything queued
+                    continue
+                d = self.outbox.popleft()
+                if isinstance(d, BaseException):
+                    raise d
+                while self.outbox and not d.finish_reason and _same_source(d, self.outbox[0]):
+                    join(d, self.outbox.popleft())  # the user fell behind: what is ready goes as one
+                msg = self._response(d)
+                yield msg
+                if msg.finish_reason:
+                    return
+        finally:
+            self.r.out.listen(None)
+
+    async def _wait(self) -> bool:
+        """Until `_feed` readied a message (-> True) or a held message's bound, or the hold on
+        RLD's batches, passes first (-> False)."""
+        due = self._wait_due = self._due()
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            if due is None:
+                await self._waiter
+                return True
+            async with asyncio.timeout(max(0.0, due - time.perf_counter())):
+                await self._waiter
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._waiter = None
+
+    def _feed(self) -> None:
+        """Every item that arrived (RLD's held items first) through `_step`; wakes `messages`
+        once something is ready to send."""
+        while not self.finish and (self.pending or not self.r.out.empty()):
+            items = [self._get_nowait()]
+            while self._ready() and not _terminal(items[-1][1]):
+                items.append(self._get_nowait())
+            self._guarded(items)
+        if (self._waiter is not None and not self._waiter.done()
+                and (self.outbox or self.finish or self._due() != self._wait_due)):
+            self._waiter.set_result(None)  # something to send, or a new bound to wait for
+
+    def _due(self) -> float | None:
+        """When `messages` must wake with nothing new: a held message's bound, the hold on RLD."""
+        due = self.group.due
+        if self.relay_held is not None:
+            due = self.hold_until if due is None else min(due, self.hold_until)
+        return due
+
+    def _guarded(self, items: list | None) -> None:
+        """`_step`; what it raises ends the stream, after what was ready before it."""
+        if self.finish:
+            return
+        try:
+            self._step(items)
+        except Exception as e:  # noqa: BLE001  (an Abort, or a fault: the user's stream fails with it)
+            self.finish = -1
+            self.outbox.append(e)
+
+    def _step(self, items: list | None) -> None:
+        """Arrived items, in order (None: a bound ran out) -> the outbox's next Deltas, if any."""
+        r, group = self.r, self.group
+        new, lps, switch, finish = [], [], False, common_pb2.FINISH_REASON_UNSPECIFIED
+        if items is None:
+            if group.due is not None and group.due <= time.perf_counter():
+                self.outbox.append(group.take())
+            items = ()
+        on_main = self.on_main  # only `_judge`, after these items, moves the stream
+        for role, it in items:
+            if (role == common_pb2.ROLE_MAIN) != on_main:
+                if not on_main:
+                    self.ahead.add(it)
+                continue  # RLD's batches after the switch: it is being released
+            if self.relay_held is not None:  # the user waits for MD: RLD's batches held back
+                self.relay_held.append((role, it))
+                continue
+            if isinstance(it, Abort):
+                raise it
+            if on_main:  # MD's stream may overlap what the user has (it started behind)
+                it = self._from(it, len(r.tokens) + len(new))
+                if it is None:
+                    continue
+            if it.token_ids and it.start_position != len(r.tokens) + len(new):
+                raise Abort(grpc.StatusCode.INTERNAL, f"token stream out of order at position {it.start_position}")
+            if self.wants_logprobs:
                 self._check_logprobs(it, role)
-                new += it.token_ids
-                lps += it.logprobs
-                switch = switch or it.handed_off
-                finish = finish or it.finish_reason
-            if new or finish:
-                msg = self._message(new, finish, lps)
-                finish = msg.finish_reason
-                if (msg := group.add(msg)) is not None:
-                    yield msg
-            if not finish and self._judge(switch):
-                held = self._take_ahead()
-                if held is not None:
-                    msg = self._message(list(held.token_ids), held.finish_reason, list(held.logprobs))
-                    finish = msg.finish_reason
-                    if (msg := group.add(msg)) is not None:
-                        yield msg
+            new += it.token_ids
+            lps += it.logprobs
+            switch = switch or it.handed_off
+            finish = finish or it.finish_reason
+        if new or finish:
+            self._ready_delta(self._delta(new, finish, lps, on_main))
+        if not self.finish and not on_main and self._judge(switch):
+            held = self._take_ahead()
+            if held is not None:  # the stream is MD's now
+                self._ready_delta(self._delta(list(held.token_ids), held.finish_reason, list(held.logprobs), True))
+
+    def _ready_delta(self, d: Delta) -> None:
+        if d.finish_reason:
+            self.finish = d.finish_reason
+        if (d := self.group.add(d)) is not None:
+            self.outbox.append(d)
 
     def _judge(self, switch: bool) -> bool:
-        """While RLD is the source: move the stream to MD (-> True), start or end holding RLD's
+        """(RLD is the source.) Move the stream to MD (-> True), start or end holding RLD's
         batches back, per `ahead.verdict`; `switch`: RLD handed the request off (always moves)."""
-        if self.on_main:
-            return False
         r = self.r
         per_token = (r.relay_t1 - r.relay_t0) / r.relay_after if r.relay_after else 0.05  # RLD's pace, s
         verdict = Verdict.SWITCH if switch else self.ahead.verdict(r.tokens, per_token)
@@ -179,26 +260,10 @@ class Output:
     def _get_nowait(self):
         return self.pending.popleft() if self.pending else self.r.out.get_nowait()
 
-    async def _next(self):
-        """The next item (held RLD items first, then the queue's); None once a held message's
-        bound, or the hold on RLD's batches, passes first."""
-        if self.pending:
-            return self.pending.popleft()
-        q, due = self.r.out, self.group.due
-        if self.relay_held is not None:
-            due = self.hold_until if due is None else min(due, self.hold_until)
-        if due is None or not q.empty():
-            return await q.get()
-        try:
-            async with asyncio.timeout(due - time.perf_counter()):
-                return await q.get()
-        except TimeoutError:
-            return None
-
     def _check_logprobs(self, it, role: int) -> None:
         """A batch of a request that asked for logprobs carries one per token (P's first token
         filled in from its Prefilled when the batch is MD's take-over that starts with it)."""
-        if not self.r.wants_logprobs or len(it.logprobs) == len(it.token_ids):
+        if len(it.logprobs) == len(it.token_ids):
             return
         if (not it.logprobs and it.start_position == 0 and it.token_ids and self.r.first_logprob is not None
                 and len(it.token_ids) == 1):
@@ -208,34 +273,25 @@ class Output:
         raise Abort(grpc.StatusCode.INTERNAL, f"{name} sent {len(it.token_ids)} tokens with {len(it.logprobs)} "
                                               f"logprobs at position {it.start_position}")
 
-    def _message(self, new: list[int], finish: int, lps: list) -> router_pb2.GenerateResponse:
-        source = common_pb2.ROLE_MAIN if self.on_main else common_pb2.ROLE_RELAY
-        delta, stop = self._add(new, source, bool(finish))
-        calls = []
+    def _delta(self, new: list[int], finish: int, lps: list, on_main: bool) -> Delta:
+        """Books `new` tokens (text, stop strings, tool calls) -> what they add to the stream
+        (finish_reason STOP once a stop string ended the text, TOOL_CALLS if a tool was called)."""
+        source = common_pb2.ROLE_MAIN if on_main else common_pb2.ROLE_RELAY
+        text, stop = self._add(new, source, bool(finish))
+        calls = ()
         if self.tools is not None:
-            delta, calls = self.tools.add(delta, bool(stop or finish))
-        msg = router_pb2.GenerateResponse(request_id=self.r.label, token_ids=new, sources=[source] * len(new),
-                                          text=delta, logprobs=lps, tool_calls=calls)
-        if lps and self.tokenizer is not None:
-            exact = token_bytes.get(self.tokenizer)  # None until built (token_bytes.build, at the router's start)
-            for tok, lp in zip(new, msg.logprobs):
-                lp.token = self._text(tok)
-                lp.top_tokens.extend(self._text(t) for t in lp.top_ids)
-                if exact is not None:
-                    lp.token_bytes = exact([tok])
-                    lp.top_token_bytes.extend(exact([t]) for t in lp.top_ids)
-        if stop or finish:
-            msg.finish_reason = common_pb2.FINISH_REASON_STOP if stop else finish
-            if self.tools is not None and self.tools.called and msg.finish_reason == common_pb2.FINISH_REASON_STOP:
-                msg.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
-            self._summary(msg)
-        return msg
+            text, calls = self.tools.add(text, bool(stop or finish))
+        if stop:
+            finish = common_pb2.FINISH_REASON_STOP
+        if finish == common_pb2.FINISH_REASON_STOP and self.tools is not None and self.tools.called:
+            finish = common_pb2.FINISH_REASON_TOOL_CALLS
+        return Delta(new, [source] * len(new), text, lps, calls, finish)
 
-    def _text(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id])
-        return text
+    def _response(self, d: Delta) -> router_pb2.GenerateResponse:
+        """The message that carries `d` (usage and timings on the last), its tokens timed as sent."""
+        msg = self.build(d)
+        self.timer.tokens(self.pipeline_name, len(d.token_ids))
+        return msg
 
     def _switch(self) -> None:
         self.r.advance(State.MAIN_STREAMING)
@@ -281,16 +337,4 @@ class Output:
             r.relay_t1 = now
         r.tokens += new
         r.sources += [source] * len(new)
-        self.timer.tokens(PIPELINE_NAMES[r.pipeline], len(new), now)
         return self.text.add(r.tokens, final)
-
-    def _summary(self, msg: router_pb2.GenerateResponse) -> None:
-        r = self.r
-        msg.usage.CopyFrom(router_pb2.Usage(
-            prompt_tokens=len(r.prompt), cached_on_prefill=r.cached_prefill, cached_on_main=r.cached_main,
-            completion_tokens=len(r.tokens), relay_tokens=r.sources.count(common_pb2.ROLE_RELAY),
-            main_tokens=r.sources.count(common_pb2.ROLE_MAIN), kv_bytes_to_relay=r.bytes_relay,
-            kv_bytes_to_main=r.bytes_main, handoff_tokens=r.handoff_tokens, handoff_chunks=r.handoff_chunks))
-        msg.timings.CopyFrom(router_pb2.Timings(
-            ttft_ms=1e3 * (r.ttft or 0), total_ms=1e3 * (time.perf_counter() - r.t0), prefill_ms=r.prefill_ms,
-            kv_to_main_ms=r.main_kv_ms, handoff_position=r.handoff_at or 0, queued_ms=r.queued_ms))

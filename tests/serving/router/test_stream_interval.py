@@ -14,7 +14,7 @@ import pytest
 
 from serving.config import RouterSettings
 from serving.pb import cluster_pb2, common_pb2, router_pb2
-from serving.router.interval import Group, chosen, join
+from serving.router.interval import Delta, Group, chosen, join
 from serving.router.metrics import RouterMetrics
 from serving.router.request import Abort, Request
 from serving.router.request_state import State
@@ -101,6 +101,25 @@ def test_k_tokens_a_message_first_and_final_at_once(k):
     assert len(msgs) <= 2 + (len(data) - 1) // k
 
 
+@pytest.mark.parametrize("k", [1, 8])
+def test_the_requests_task_wakes_once_a_message_not_once_a_batch(k, monkeypatch):
+    """One-token batches, each in a loop pass of its own (as RLD's steps bring them): they are
+    read where they arrive, and the request's task waits only for whole messages."""
+    waits = []
+    wait = Output._wait
+
+    async def counted(self):
+        waits.append(1)
+        return await wait(self)
+
+    monkeypatch.setattr(Output, "_wait", counted)
+    data = TEXT.encode()
+    got, _ = run(data, (k, 0.0))
+    assert b"".join(bytes(m.token_ids) for m, _ in got) == data
+    assert len(got) <= 2 + (len(data) - 1) // k
+    assert len(waits) <= len(got) + 1  # at K = 8: ~20 waits for 153 batches (one per batch before)
+
+
 def test_no_token_waits_past_the_bound_behind_a_slow_engine():
     """One token every 15 ms, 8 a message: without a bound tokens wait ~100 ms; with 40 ms none
     waits past it (plus the loop's slack), and messages hold about 3 tokens."""
@@ -120,21 +139,21 @@ def test_no_token_waits_past_the_bound_behind_a_slow_engine():
 
 
 def test_join_merges_a_calls_deltas_and_keeps_logprobs_in_order():
-    a = router_pb2.GenerateResponse(token_ids=[1], sources=[1], text="x",
-                                    logprobs=[common_pb2.TokenLogprob(logprob=-0.1)],
-                                    tool_calls=[router_pb2.ToolCallDelta(index=0, id="c0", name="f", arguments='{"a"')])
-    b = router_pb2.GenerateResponse(token_ids=[2, 3], sources=[1, 1], text="yz",
-                                    logprobs=[common_pb2.TokenLogprob(logprob=x) for x in (-0.2, -0.3)],
-                                    tool_calls=[router_pb2.ToolCallDelta(index=0, arguments=": 1}"),
-                                                router_pb2.ToolCallDelta(index=1, id="c1", name="g", arguments="{}")])
+    a = Delta([1], [1], "x", [common_pb2.TokenLogprob(logprob=-0.1)],
+              [router_pb2.ToolCallDelta(index=0, id="c0", name="f", arguments='{"a"')])
+    b = Delta([2, 3], [1, 1], "yz", [common_pb2.TokenLogprob(logprob=x) for x in (-0.2, -0.3)],
+              [router_pb2.ToolCallDelta(index=0, arguments=": 1}"),
+               router_pb2.ToolCallDelta(index=1, id="c1", name="g", arguments="{}")],
+              finish_reason=common_pb2.FINISH_REASON_STOP)
     join(a, b)
-    assert list(a.token_ids) == [1, 2, 3] and a.text == "xyz" and len(a.sources) == 3
+    assert a.token_ids == [1, 2, 3] and "".join(a.text) == "xyz" and len(a.sources) == 3
     assert [round(lp.logprob, 2) for lp in a.logprobs] == [-0.1, -0.2, -0.3]
     assert [(d.index, d.id, d.name, d.arguments) for d in a.tool_calls] == [(0, "c0", "f", '{"a": 1}'),
                                                                              (1, "c1", "g", "{}")]
+    assert a.finish_reason == common_pb2.FINISH_REASON_STOP
 
 
 def test_group_passes_messages_through_at_one_token():
     g = Group(1, 0.0)
-    m = router_pb2.GenerateResponse(token_ids=[5])
-    assert g.add(m) is m and g.add(m) is m and g.held is None
+    d = Delta([5], [1])
+    assert g.add(d) is d and g.add(d) is d and g.held is None
