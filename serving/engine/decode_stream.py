@@ -36,7 +36,7 @@ class Sink:
     def __init__(self, slots: SlotTable, role: str):
         self.slots, self.role = slots, role
         self.subscribed: dict[str, Slot] = {}
-        self.items: list[cluster_pb2.RequestTokens] = []  # ready, in arrival order
+        self.ready_msg = cluster_pb2.DecodeStreamResponse()  # the entries ready, in arrival order (the next message)
         self._open: dict[str, cluster_pb2.RequestTokens] = {}  # a request's last ready batch (merging)
         self.ready = asyncio.Event()
         self.draining = False  # the service drains: the stream ends once no subscription is left
@@ -79,7 +79,7 @@ class Sink:
     def _append(self, rid: str, item) -> None:
         if isinstance(item, RpcFailure):
             self._open.pop(rid, None)
-            self.items.append(cluster_pb2.RequestTokens(request_id=rid, code=item.code.value[0], error=item.message))
+            self.ready_msg.items.add(request_id=rid, code=item.code.value[0], error=item.message)
         else:
             last = self._open.get(rid)
             if last is not None and _continues(last.batch, item):
@@ -87,14 +87,14 @@ class Sink:
                 last.batch.logprobs.extend(item.logprobs)
                 last.batch.finish_reason = item.finish_reason
             else:
-                entry = cluster_pb2.RequestTokens(request_id=rid, batch=item)
-                self.items.append(entry)
+                entry = self.ready_msg.items.add(request_id=rid)  # built in place: one copy of the batch
+                entry.batch.MergeFrom(item)
                 self._open[rid] = entry
         self.ready.set()
 
     def take(self) -> cluster_pb2.DecodeStreamResponse:
-        items, self.items, self._open = self.items, [], {}
-        return cluster_pb2.DecodeStreamResponse(items=items)
+        msg, self.ready_msg, self._open = self.ready_msg, cluster_pb2.DecodeStreamResponse(), {}
+        return msg
 
     def close(self) -> None:
         for rid in list(self.subscribed):
@@ -119,7 +119,7 @@ async def serve(sink: Sink, request_iterator):
     reader = asyncio.create_task(_read(sink, request_iterator))
     try:
         while True:
-            if not sink.items:
+            if not sink.ready_msg.items:
                 if reader.done():
                     if reader.exception() is not None:
                         raise reader.exception()

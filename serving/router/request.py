@@ -72,25 +72,24 @@ def from_rpc(e: grpc.aio.AioRpcError, who: str) -> Abort:
 
 class Inbox:
     """A request's one output queue: (role, TokenBatch | Abort) from both tiers, in arrival
-    order. `listen(fn)`: fn() runs once per event-loop pass that brought items (call_soon), so
-    the batches of one DecodeStream message, or of one RLD / MD wave, are read together and the
-    reader wakes its own task only when it has something to send (stream.Output)."""
+    order. `listen(fn)`: fn() runs as items arrive, on the putter's stack (a DecodeStream's
+    reader), so the reader (stream.Output) books each batch in the same loop pass and wakes its
+    own task only when it has something to send; an item put while fn runs (a callback of fn's
+    putting more) is read by that same run."""
 
     def __init__(self):
         self.items: collections.deque = collections.deque()
         self.listener = None
-        self._soon = False  # a run of the listener is scheduled
+        self._running = False
 
     def put_nowait(self, item) -> None:
         self.items.append(item)
-        if self.listener is not None and not self._soon:
-            self._soon = True
-            asyncio.get_running_loop().call_soon(self._run)
-
-    def _run(self) -> None:
-        self._soon = False
-        if self.listener is not None:
-            self.listener()
+        if self.listener is not None and not self._running:
+            self._running = True
+            try:
+                self.listener()
+            finally:
+                self._running = False
 
     def listen(self, fn) -> None:
         self.listener = fn

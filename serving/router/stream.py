@@ -8,8 +8,8 @@
     even when no tier reports it);
   - `Output` reads the relay batches while the request is RELAY_STREAMING or RELAY_LOST, then
     (after a batch `handed_off`, or MD caught up: MAIN_STREAMING) the main ones, as they arrive
-    (once per event-loop pass, not on the request's own task), checks every batch's position
-    (no gap, duplicate or reorder), decodes text incrementally (`detok.IncrementalText`: an
+    (on the DecodeStream reader's stack, not on the request's own task), checks every batch's
+    position (no gap, duplicate or reorder), decodes text incrementally (`detok.IncrementalText`: an
     incomplete UTF-8 sequence and a possible stop string's start held back; stop strings end
     the stream), books RLD's decode speed, and groups the deltas per the request's stream
     interval (`interval.Group`: the first tokens and the last message at once);
@@ -102,8 +102,8 @@ class Output:
         (or is later than HOLD_MAX_S), RLD's held batches go on and RLD keeps the request. RLD's
         own handed_off batch (one-shot, or MD taking over a broken RLD) switches at once.
 
-        The batches are read where they arrive: the request's inbox runs `_feed` once per loop
-        pass that brought it items (`request.Inbox`), and this generator wakes only when a
+        The batches are read where they arrive: the request's inbox runs `_feed` as each comes
+        (`request.Inbox`, on the putter's stack), and this generator wakes only when a
         message is ready (`outbox`), or a held message's bound or the hold on RLD runs out. So
         at K tokens a message the request's task wakes once per K tokens, not per batch."""
         self.r.out.listen(self._feed)
