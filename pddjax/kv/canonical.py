@@ -200,8 +200,9 @@ def check_importable(run: Pieces, pool: KVPool, fingerprint: str) -> None:
         raise KVImportError(problem)
 
 
-def _place(pieces: list[KVRun], which: str, pool: KVPool, padded: int) -> jax.Array:
-    """k or v [L, padded, K, D] in the pool's dtype, each device given its heads from the pieces."""
+def _place(pieces: list[KVRun], which: str, pool: KVPool, padded: int) -> np.ndarray | jax.Array:
+    """k or v [L, padded, K, D] in the pool's dtype: on one device the host array, else a device array
+    whose devices each hold their heads from the pieces."""
     L, K, _, _, D = pool.k.shape
     dtype, n = np.dtype(pool.dtype), pieces[0].num_tokens
     made: dict[tuple[int, int], np.ndarray] = {}
@@ -216,10 +217,11 @@ def _place(pieces: list[KVRun], which: str, pool: KVPool, padded: int) -> jax.Ar
                     out[:, :n, lo - h0:hi - h0] = getattr(r, which)[:, :, lo - r.head_start:hi - r.head_start]
             made[(h0, h1)] = out
         return made[(h0, h1)]
-    if not isinstance(pool.k.sharding, NamedSharding):  # one device: uncommitted, as the pool is (the
-        # precompiled copies stay the ones that run); device_put, not jnp.asarray: that one
-        # dispatches a conversion primitive per call
-        return jax.device_put(heads_of((slice(None),) * 4))
+    if not isinstance(pool.k.sharding, NamedSharding):  # one device: the host array itself, which the
+        # precompiled scatter takes as it takes the slots (uncommitted, as the pool is); not
+        # jax.device_put (its Python path cost more than the copy) nor jnp.asarray (a conversion
+        # primitive dispatched per call)
+        return heads_of((slice(None),) * 4)
     return jax.make_array_from_callback((L, padded, K, D), run_sharding(pool), heads_of)
 
 
