@@ -14,7 +14,6 @@ a handoff's extend (or the decode rows) back by more than about one import.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
 import queue
@@ -51,10 +50,13 @@ class EngineWorker:
 
     def call(self, fn: Callable, *args, urgent: bool = False) -> asyncio.Future:
         """Run fn(engine, *args) on the engine thread; await the returned future for its result.
-        `urgent`: before every ordinary command already queued (latency-critical, short)."""
-        cf: concurrent.futures.Future = concurrent.futures.Future()
-        self._put(_URGENT if urgent else _ORDINARY, (fn, args, cf))
-        return asyncio.wrap_future(cf, loop=self.loop)
+        `urgent`: before every ordinary command already queued (latency-critical, short). Event
+        loop only. The result reaches the loop with fn's posts, in one hand-over (each wakes the
+        loop's thread: ~30 us of the engine thread's CPU on this VM). Cancelled before it ran,
+        fn never runs; cancelled while it runs, its result is dropped."""
+        fut = self.loop.create_future()
+        self._put(_URGENT if urgent else _ORDINARY, (fn, args, fut))
+        return fut
 
     def run_soon(self, fn: Callable, *args, urgent: bool = False) -> None:
         """Run fn(engine, *args) on the engine thread and do not wait: for cleanup in `finally`
@@ -97,23 +99,21 @@ class EngineWorker:
                     if self.log is not None:
                         self.log.close()
                     return
-                fn, args, cf = item
+                fn, args, fut = item
                 with self._timed(getattr(fn, "__name__", "call")):
-                    if cf is None:
+                    if fut is None:
                         try:
                             fn(self.engine, *args)
                         except Exception:  # noqa: BLE001  (cleanup must not kill the thread)
                             traceback.print_exc()
-                        self._flush()
-                    elif cf.set_running_or_notify_cancel():
+                    elif not fut.cancelled():  # (read across threads: a flag; a cancel after it drops the result)
                         try:
                             result = fn(self.engine, *args)
                         except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
-                            self._flush()
-                            cf.set_exception(e)
+                            self._posted.append((_settle, (fut, None, e)))
                         else:
-                            self._flush()  # what fn posted runs before its caller resumes
-                            cf.set_result(result)
+                            self._posted.append((_settle, (fut, result, None)))  # after what fn posted
+                    self._flush()
                 item = self._next_command(started)
             if self.engine.has_work():
                 try:
@@ -198,6 +198,16 @@ def _run_posted(loop: asyncio.AbstractEventLoop, batch: list) -> None:
             fn(*args)
         except Exception as e:  # noqa: BLE001
             loop.call_exception_handler({"message": f"engine post {fn!r} failed", "exception": e})
+
+
+def _settle(fut: asyncio.Future, result, exc: BaseException | None) -> None:
+    """Event loop: a command's outcome to its caller, unless the caller cancelled meanwhile."""
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(exc)
 
 
 def resolve(fut: asyncio.Future, value) -> None:
