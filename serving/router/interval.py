@@ -69,6 +69,11 @@ def join(held: Delta, d: Delta) -> None:
     held.finish_reason = held.finish_reason or d.finish_reason
 
 
+def joins(d: Delta, nxt) -> bool:
+    """`nxt` may join `d` in one message: a Delta from the same tier (a switch starts a message)."""
+    return isinstance(nxt, Delta) and (not d.sources or not nxt.sources or d.sources[-1] == nxt.sources[0])
+
+
 class Group:
     """One request's held delta (or none). `add(d)` -> the Delta to send now, or None."""
 

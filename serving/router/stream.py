@@ -29,8 +29,9 @@ import grpc
 
 from serving.pb import cluster_pb2, common_pb2, router_pb2
 from serving.router.ahead import Ahead, Verdict
+from serving.router.batch_checks import check_logprobs, cut_to, ends_stream
 from serving.router.detok import IncrementalText
-from serving.router.interval import Delta, Group, join
+from serving.router.interval import Delta, Group, join, joins
 from serving.router.message import Messages
 from serving.router.request import PIPELINE_NAMES, Abort, Request
 from serving.router.request_state import State
@@ -48,15 +49,6 @@ def expire(*queues: asyncio.Queue) -> None:
     """The client's deadline passed: the stream fails with DEADLINE_EXCEEDED (then releases all)."""
     for q in queues:
         q.put_nowait(Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before it finished"))
-
-
-def _terminal(item) -> bool:
-    return isinstance(item, Abort) or bool(item.finish_reason) or item.handed_off
-
-
-def _same_source(d: Delta, nxt) -> bool:
-    """`nxt` may join `d` in one message: a Delta from the same tier (a switch starts a message)."""
-    return isinstance(nxt, Delta) and (not d.sources or not nxt.sources or d.sources[-1] == nxt.sources[0])
 
 
 class Output:
@@ -119,7 +111,7 @@ class Output:
                 d = self.outbox.popleft()
                 if isinstance(d, BaseException):
                     raise d
-                while self.outbox and not d.finish_reason and _same_source(d, self.outbox[0]):
+                while self.outbox and not d.finish_reason and joins(d, self.outbox[0]):
                     join(d, self.outbox.popleft())  # the user fell behind: what is ready goes as one
                 msg = self._response(d)
                 yield msg
@@ -150,7 +142,7 @@ class Output:
         once something is ready to send."""
         while not self.finish and (self.pending or not self.r.out.empty()):
             items = [self._get_nowait()]
-            while self._ready() and not _terminal(items[-1][1]):
+            while self._ready() and not ends_stream(items[-1][1]):
                 items.append(self._get_nowait())
             self._guarded(items)
         if (self._waiter is not None and not self._waiter.done()
@@ -194,13 +186,13 @@ class Output:
             if isinstance(it, Abort):
                 raise it
             if on_main:  # MD's stream may overlap what the user has (it started behind)
-                it = self._from(it, len(r.tokens) + len(new))
+                it = cut_to(it, len(r.tokens) + len(new), r.tokens)
                 if it is None:
                     continue
             if it.token_ids and it.start_position != len(r.tokens) + len(new):
                 raise Abort(grpc.StatusCode.INTERNAL, f"token stream out of order at position {it.start_position}")
             if self.wants_logprobs:
-                self._check_logprobs(it, role)
+                check_logprobs(it, role, r.first_logprob)
             new += it.token_ids
             lps += it.logprobs
             switch = switch or it.handed_off
@@ -260,19 +252,6 @@ class Output:
     def _get_nowait(self):
         return self.pending.popleft() if self.pending else self.r.out.get_nowait()
 
-    def _check_logprobs(self, it, role: int) -> None:
-        """A batch of a request that asked for logprobs carries one per token (P's first token
-        filled in from its Prefilled when the batch is MD's take-over that starts with it)."""
-        if len(it.logprobs) == len(it.token_ids):
-            return
-        if (not it.logprobs and it.start_position == 0 and it.token_ids and self.r.first_logprob is not None
-                and len(it.token_ids) == 1):
-            it.logprobs.append(self.r.first_logprob)
-            return
-        name = "MD" if role == common_pb2.ROLE_MAIN else "RLD"
-        raise Abort(grpc.StatusCode.INTERNAL, f"{name} sent {len(it.token_ids)} tokens with {len(it.logprobs)} "
-                                              f"logprobs at position {it.start_position}")
-
     def _delta(self, new: list[int], finish: int, lps: list, on_main: bool) -> Delta:
         """Books `new` tokens (text, stop strings, tool calls) -> what they add to the stream
         (finish_reason STOP once a stop string ended the text, TOOL_CALLS if a tool was called)."""
@@ -302,29 +281,14 @@ class Output:
 
     def _take_ahead(self):
         """At the switch: MD's held tokens as one batch from the user's position (the overlap
-        checked by `_from`), or None if they hold nothing for it."""
+        checked by `cut_to`), or None if they hold nothing for it."""
         ahead = self.ahead
         tokens, ahead.tokens = ahead.tokens, None
         if not tokens:
             return None
-        held = self._from(cluster_pb2.TokenBatch(start_position=ahead.at, token_ids=tokens,
-                                                 finish_reason=ahead.finish, logprobs=ahead.logprobs),
-                          len(self.r.tokens))
+        held = cut_to(cluster_pb2.TokenBatch(start_position=ahead.at, token_ids=tokens, finish_reason=ahead.finish,
+                                             logprobs=ahead.logprobs), len(self.r.tokens), self.r.tokens)
         return held if held is not None and held.start_position == len(self.r.tokens) else None
-
-    def _from(self, it, position: int):
-        """An MD batch after the switch, cut to start at `position` (the part the user has is
-        checked against it); None if it holds nothing new."""
-        if not it.token_ids or it.start_position >= position:
-            return it
-        have = min(position - it.start_position, len(it.token_ids))  # tokens of it the user has
-        if list(it.token_ids[:have]) != self.r.tokens[it.start_position:it.start_position + have]:
-            raise Abort(grpc.StatusCode.INTERNAL, f"MD's tokens disagree with the stream at {it.start_position}")
-        if have == len(it.token_ids):  # nothing new; its finish counts only where the user's tokens end
-            at_end = it.finish_reason and it.start_position + have == position
-            return cluster_pb2.TokenBatch(start_position=position, finish_reason=it.finish_reason) if at_end else None
-        return cluster_pb2.TokenBatch(start_position=position, token_ids=it.token_ids[have:],
-                                      finish_reason=it.finish_reason, logprobs=it.logprobs[have:])
 
     def _add(self, new: list[int], source: int, final: bool) -> tuple[str, bool]:
         """Books `new` tokens (times, text) -> (their text, a stop string ended the text)."""
