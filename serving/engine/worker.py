@@ -110,9 +110,9 @@ class EngineWorker:
                         try:
                             result = fn(self.engine, *args)
                         except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
-                            self._posted.append((_settle, (fut, None, e)))
+                            self._posted.append((fail, (fut, e)))
                         else:
-                            self._posted.append((_settle, (fut, result, None)))  # after what fn posted
+                            self._posted.append((resolve, (fut, result)))  # after what fn posted
                     self._flush()
                 item = self._next_command(started)
             if self.engine.has_work():
@@ -198,16 +198,6 @@ def _run_posted(loop: asyncio.AbstractEventLoop, batch: list) -> None:
             fn(*args)
         except Exception as e:  # noqa: BLE001
             loop.call_exception_handler({"message": f"engine post {fn!r} failed", "exception": e})
-
-
-def _settle(fut: asyncio.Future, result, exc: BaseException | None) -> None:
-    """Event loop: a command's outcome to its caller, unless the caller cancelled meanwhile."""
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(result)
-    else:
-        fut.set_exception(exc)
 
 
 def resolve(fut: asyncio.Future, value) -> None:

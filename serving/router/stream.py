@@ -256,7 +256,8 @@ class Output:
         """Books `new` tokens (text, stop strings, tool calls) -> what they add to the stream
         (finish_reason STOP once a stop string ended the text, TOOL_CALLS if a tool was called)."""
         source = common_pb2.ROLE_MAIN if on_main else common_pb2.ROLE_RELAY
-        text, stop = self._add(new, source, bool(finish))
+        sources = [source] * len(new)
+        text, stop = self._add(new, sources, bool(finish))
         calls = ()
         if self.tools is not None:
             text, calls = self.tools.add(text, bool(stop or finish))
@@ -264,7 +265,7 @@ class Output:
             finish = common_pb2.FINISH_REASON_STOP
         if finish == common_pb2.FINISH_REASON_STOP and self.tools is not None and self.tools.called:
             finish = common_pb2.FINISH_REASON_TOOL_CALLS
-        return Delta(new, [source] * len(new), text, lps, calls, finish)
+        return Delta(new, sources, text, lps, calls, finish)
 
     def _response(self, d: Delta) -> router_pb2.GenerateResponse:
         """The message that carries `d` (usage and timings on the last), its tokens timed as sent."""
@@ -290,15 +291,16 @@ class Output:
                                              logprobs=ahead.logprobs), len(self.r.tokens), self.r.tokens)
         return held if held is not None and held.start_position == len(self.r.tokens) else None
 
-    def _add(self, new: list[int], source: int, final: bool) -> tuple[str, bool]:
-        """Books `new` tokens (times, text) -> (their text, a stop string ended the text)."""
+    def _add(self, new: list[int], sources: list[int], final: bool) -> tuple[str, bool]:
+        """Books `new` tokens from `sources` (one tier's, a source per token: times, text) ->
+        (their text, a stop string ended the text)."""
         r, now = self.r, time.perf_counter()
         if r.ttft is None and new:
             r.ttft = now - r.t0
-        if source == common_pb2.ROLE_RELAY and new:  # RLD's decode speed, after its first batch
+        if new and sources[0] == common_pb2.ROLE_RELAY:  # RLD's decode speed, after its first batch
             r.relay_t0 = r.relay_t0 or now
             r.relay_after += len(new) if now > r.relay_t0 else 0
             r.relay_t1 = now
         r.tokens += new
-        r.sources += [source] * len(new)
+        r.sources += sources
         return self.text.add(r.tokens, final)
