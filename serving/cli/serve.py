@@ -57,7 +57,8 @@ def register(sub) -> None:
                         "able to read this Python and pddjax); root keeps them root")
     u.add_argument("--tls", action="store_true",
                    help="make a development CA and per-role certificates (pddjax certs) in a new directory and run "
-                        "the stack with them (the state file names it as `tls_dir`; clients need its ca.pem only)")
+                        "the stack with them (the state file names it as `tls_dir`; clients need its ca.pem only); the "
+                        "directory and its keys are removed when the stack stops")
     u.set_defaults(func=run_up)
 
     c = sub.add_parser("certs", help="make a development CA and one TLS certificate per role (for --tls-dir)")
@@ -304,17 +305,27 @@ def load_stack(args) -> dict:
 
 
 def run_up(args) -> int:
+    stack = load_stack(args)
+    if not args.tls:
+        return _run_up(args, stack)
+    import shutil
+    import tempfile
+
+    if args.tls_dir:
+        raise UserError("give --tls (make development certificates) or --tls-dir DIR (use these), not both")
+    args.tls_dir = tempfile.mkdtemp(prefix="pddjax-tls-")
+    try:
+        return _run_up(args, stack)
+    finally:  # the development keys live as long as the stack
+        shutil.rmtree(args.tls_dir, ignore_errors=True)
+
+
+def _run_up(args, stack: dict) -> int:
     from serving import security
 
-    stack = load_stack(args)
     if args.tls:
-        import tempfile
-
         from serving.certs import DEFAULT_HOSTS, make_dev_certs
 
-        if args.tls_dir:
-            raise UserError("give --tls (make development certificates) or --tls-dir DIR (use these), not both")
-        args.tls_dir = tempfile.mkdtemp(prefix="pddjax-tls-")
         host = stack.get("host", "127.0.0.1")
         extra = ()
         if args.netns:  # MD's and the router's addresses in their namespaces

@@ -150,7 +150,9 @@ def secure_up(tmp_path_factory):
         shutil.copy(os.path.join(up.state["tls_dir"], "ca.pem"), client_dir / "ca.pem")
         yield up, str(client_dir / "ca.pem")
     finally:
-        up.close()
+        tls_dir = (up.state or {}).get("tls_dir")
+        assert up.close() == 0
+    assert tls_dir and not os.path.exists(tls_dir), f"the development keys outlived the stack in {tls_dir}"
 
 
 @pytest.fixture
