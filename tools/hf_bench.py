@@ -17,11 +17,14 @@ HF DynamicCache. Token ids are random (seeded) in-vocab ids, not text.
     median of 3 after 1 warm-up; reported as tokens/s and ms.
   * decode_b1: 256-token context prefilled, then 64 single-token steps with
     the KV cache (argmax feedback); ms/step = total / 64, median of 5.
-  * decode_b16: 16 sequences x 256-token context (equal lengths, no padding),
-    then 32 steps of 16 tokens each; ms per step (all 16 rows), median of 5.
+  * decode_b<B> for each B of --batches (default 16): B sequences x 256-token
+    context (equal lengths, no padding), then 32 steps of B tokens each; ms per
+    step (all B rows), median of 5. `--batches 32 --out F` beside `pddjax bench
+    engine --batches 32` in the same minutes is issue 34's side-by-side figure.
   loadavg_start/end are recorded so a noisy run can be spotted.
 """
 
+import argparse
 import json
 import os
 import platform
@@ -63,6 +66,11 @@ def decode_steps(model, ids, n):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="16", help="batched decode sizes, comma-separated (default 16)")
+    ap.add_argument("--out", default=OUT, help="where to write the JSON (default the test fixture)")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(THREADS)
     g = torch.Generator().manual_seed(0)
     gdir = default_gguf_dir()
@@ -93,12 +101,13 @@ def main():
         res["decode_b1_ctx256"] = {"ms_per_step": round(med * 1e3, 2), "tokens_per_s": round(1 / med, 1),
                                    "steps": 64, "runs_ms_per_step": [round(t * 1e3, 2) for t in steps]}
 
-        c16 = rand_ids(16, 256)
-        decode_steps(model, c16, 2)  # warm-up
-        steps = [decode_steps(model, c16, 32) for _ in range(DECODE_REPEATS)]
-        med = statistics.median(steps)
-        res["decode_b16_ctx256"] = {"ms_per_step": round(med * 1e3, 2), "tokens_per_s": round(16 / med, 1),
-                                    "steps": 32, "runs_ms_per_step": [round(t * 1e3, 2) for t in steps]}
+        for b in batches:
+            cb = rand_ids(b, 256)
+            decode_steps(model, cb, 2)  # warm-up
+            steps = [decode_steps(model, cb, 32) for _ in range(DECODE_REPEATS)]
+            med = statistics.median(steps)
+            res[f"decode_b{b}_ctx256"] = {"ms_per_step": round(med * 1e3, 2), "tokens_per_s": round(b / med, 1),
+                                          "steps": 32, "runs_ms_per_step": [round(t * 1e3, 2) for t in steps]}
 
     res["loadavg_end"] = list(os.getloadavg())
     res["setup"] = {
@@ -108,8 +117,8 @@ def main():
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
     }
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
         f.write("\n")
     print(json.dumps(res))

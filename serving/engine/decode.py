@@ -100,10 +100,14 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
                 if slot.logprobs is not None and ev.logprobs is not None:  # held: emitted with the rest later
                     slot.logprobs[ev.position] = rpc.logprob_to_pb(ev.logprobs)
                 continue
+            lp = ev.logprobs if slot.logprobs is not None else None
+            if lp is None and not ev.finish_reason:  # the common row: one token, built into its message once
+                self.slots.put_token(slot, ev.position, ev.token)
+                continue
             batch = cluster_pb2.TokenBatch(start_position=ev.position, token_ids=[ev.token],
                                            finish_reason=rpc.FINISH[ev.finish_reason])
-            if slot.logprobs is not None and ev.logprobs is not None:
-                batch.logprobs.append(rpc.logprob_to_pb(ev.logprobs))
+            if lp is not None:
+                batch.logprobs.append(rpc.logprob_to_pb(lp))
             if ev.finish_reason:
                 self.slots.close(slot, batch)
             else:

@@ -76,6 +76,23 @@ class Sink:
         if isinstance(item, RpcFailure) or item.finish_reason or item.handed_off:
             self.unsubscribe(rid)
 
+    def add_token(self, rid: str, position: int, token: int) -> None:
+        """One token (no logprob, not the last) of a subscribed request: `add` of its one-token
+        TokenBatch, written straight into the ready message."""
+        if rid not in self.subscribed:
+            return
+        last = self._open.get(rid)
+        if last is not None:
+            b = last.batch
+            if not b.finish_reason and not b.handed_off and position == b.start_position + len(b.token_ids):
+                b.token_ids.append(token)
+                return
+        entry = self.ready_msg.items.add(request_id=rid)
+        entry.batch.start_position = position
+        entry.batch.token_ids.append(token)
+        self._open[rid] = entry
+        self.ready.set()
+
     def _append(self, rid: str, item) -> None:
         if isinstance(item, RpcFailure):
             self._open.pop(rid, None)

@@ -169,6 +169,11 @@ class SlotTable:
         stream's queue, or the DecodeStream subscribed to it)."""
         self.worker.post(_deliver, slot, item)
 
+    def put_token(self, slot: Slot, position: int, token: int) -> None:
+        """Engine thread: one token at `position` (no logprob, not the last) to the slot's stream;
+        what `put` of its one-token TokenBatch would deliver, without building that batch."""
+        self.worker.post(_deliver_token, slot, position, token)
+
     def decode(self, slot: Slot, emit_from: int) -> None:
         """Engine thread: the slot's output flows from `emit_from` on (DECODING); what was
         generated from there is emitted now (and the stream closed if finished)."""
@@ -250,3 +255,11 @@ def _deliver(slot: Slot, item) -> None:
         slot.sink.add(slot, item)
     else:
         slot.out.put_nowait(item)
+
+
+def _deliver_token(slot: Slot, position: int, token: int) -> None:
+    """Event loop: one token of the slot's stream to whoever reads it now."""
+    if slot.sink is not None:
+        slot.sink.add_token(slot.request_id, position, token)
+    else:
+        slot.out.put_nowait(cluster_pb2.TokenBatch(start_position=position, token_ids=[token]))

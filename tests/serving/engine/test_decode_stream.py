@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from serving.engine import decode_stream
-from serving.engine.slot import RpcFailure, Slot, _deliver
+from serving.engine.slot import RpcFailure, Slot, _deliver, _deliver_token
 from serving.pb import cluster_pb2, cluster_pb2_grpc
 from serving.router import decode_streams, pools
 from serving.router.request import Abort
@@ -98,6 +98,48 @@ async def until(cond, timeout=5.0):
             return
         await asyncio.sleep(0.01)
     raise AssertionError("timed out")
+
+
+def test_a_token_delivered_alone_is_what_its_one_token_batch_would_be():
+    """RLD's and MD's common row (one token, no logprob, not the last) skips building a
+    TokenBatch: every message, and the slot's own queue before a subscription, are the same."""
+    rng = __import__("random").Random(7)
+
+    def deliver_all(plain: bool):
+        async def main():
+            slots = {r: Slot(r, asyncio.Queue()) for r in "abc"}
+            sink, msgs, pos = decode_stream.Sink(Table(slots), "relay"), [], dict.fromkeys("abc", 0)
+            steps = rng_steps[:]
+            for n, step in enumerate(steps):
+                if n == 2:
+                    for r in "abc":
+                        sink.subscribe(r)
+                for r, kind in step:
+                    slot, p = slots[r], pos[r]
+                    if kind == "token" and not plain:
+                        _deliver_token(slot, p, 100 + p)
+                    else:
+                        _deliver(slot, batch(p, [100 + p], finish=int(kind == "finish"),
+                                             handed_off=kind == "handoff"))
+                    pos[r] += 1
+                if n % 3 != 1:  # a message taken after some steps, not others
+                    msgs.append(sink.take())
+            msgs.append(sink.take())
+            return [m.SerializeToString() for m in msgs]
+        return asyncio.run(main())
+
+    for _ in range(20):
+        rng_steps, ended = [], set()
+        for _ in range(12):
+            step = []
+            for r in "abc":
+                if r not in ended and rng.random() < 0.8:
+                    kind = rng.choice(["token"] * 8 + ["finish", "handoff"])
+                    step.append((r, kind))
+                    if kind != "token":
+                        ended.add(r)
+            rng_steps.append(step)
+        assert deliver_all(plain=False) == deliver_all(plain=True)
 
 
 def test_one_message_per_step_for_every_request_and_cancel_unsubscribes():
