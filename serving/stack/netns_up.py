@@ -9,7 +9,9 @@ in front of each MD as P reaches it (`main_wan`), as in plain `pddjax up`. Off l
 services listen in plaintext (`insecure` in their tables: the namespaces' addresses are reached
 only from this host) unless a TLS directory is given (--tls / --tls-dir). The state file is
 `pddjax up`'s plus `netns` (namespaces, devices, addresses, shaping; `Topology.state`). On stop
-(and after a crash, at the next start: netns.remove_stale) the namespaces are deleted. Only the
+(and after a crash, at the next start: netns.remove_stale) the namespaces are deleted, and the
+run's folder as `pddjax up`'s (`up.end_workdir`: kept after a failure for its log, never its copies
+of the TLS keys or the token). Only the
 namespaces are made as root: every service (and the link) runs as an unprivileged user
 (serving/stack/netns_user.py: setpriv after `ip netns exec`).
 """
@@ -30,6 +32,7 @@ from serving.stack import netns, netns_user
 from serving.stack.up import (
     Child,
     cohosted_openai_args,
+    end_workdir,
     openai_state,
     ready_unless_stopped,
     spawn,
@@ -66,6 +69,7 @@ async def run_netns_stack(stack: dict, port: int, state_file: str | None, instan
     children: list[Child] = []
     stop = stop_on_signals()
     log = open(os.path.join(workdir, "services.log"), "ab")
+    rc = None
     try:
         user = netns_user.prepare(workdir, service_user)  # the services' user (the namespaces needed root)
         if user.uid == 0:
@@ -83,7 +87,8 @@ async def run_netns_stack(stack: dict, port: int, state_file: str | None, instan
         children = [spawn(r, cfg_path, workdir, log=log, name=f"{r}{k}", wrap=wrap("b" if r == "main" else "a"))
                     for r, n in zip(ENGINE_ROLES, instances) for k in range(n)]
         if not await ready_unless_stopped(children, stop):
-            return 130
+            rc = 130
+            return rc
         addr = {r: [c.address for c in children if c.role == r] for r in ENGINE_ROLES}
         wan_addrs = list(addr["main"])  # P -> MD straight over the veth, unless latency needs the userspace link
         if latency_ms and not topo.latency_by_kernel:
@@ -120,13 +125,15 @@ async def run_netns_stack(stack: dict, port: int, state_file: str | None, instan
         print(f"pddjax up --netns: router on {public} ({counts}); cluster A = netns {topo.a} (P, RLD, router, "
               f"gateway), cluster B = netns {topo.b} (MD); {topo.describe()}", flush=True)
         print(f"pddjax up --netns: OpenAI-compatible API on {gateway['openai']} (in the router's process)", flush=True)
-        return await supervise_until_stopped(stop, children, state_file, state)
+        rc = await supervise_until_stopped(stop, children, state_file, state)
+        return rc
     finally:
         stop_all(children)
         log.close()
         topo.close()
         if state_file and os.path.exists(state_file):
             os.remove(state_file)
+        end_workdir(workdir, rc)
 
 
 # ---- the latency-only userspace link, run inside cluster A ------------------------------

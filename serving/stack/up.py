@@ -18,7 +18,9 @@ P may push KV only to RLD and the links (`[prefill] kv_peers_file`, written once
 address, and on Ctrl-C or SIGTERM stop every child (SIGTERM, then SIGKILL after a grace
 period). A service that exits is started again on its port after a backoff
 (`supervise.Supervisor`); the stack stops only when a role has no instance left that runs
-or will run again (one exiting more than 5 times in 5 minutes is given up).
+or will run again (one exiting more than 5 times in 5 minutes is given up). The run's folder
+(configs, ready files, `services.log`, the state's `log`) is removed after a stop asked for
+(Ctrl-C, SIGTERM); after a failure its log stays for a look (`end_workdir`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,6 +164,26 @@ async def ready_unless_stopped(children: list[Child], stop: asyncio.Event) -> bo
     return True
 
 
+SECRET_COPIES = ("tls", "router-token")  # what a run's folder may hold of the user's secrets (netns_user.prepare)
+
+
+def end_workdir(workdir: str, rc: int | None) -> None:
+    """A stopped stack's run folder: removed after a stop asked for (rc 0, or 130 while starting);
+    after a failure (any other rc, or an exception: rc None) kept for its services' log, less
+    any copy of a secret."""
+    if rc in (0, 130):
+        shutil.rmtree(workdir, ignore_errors=True)
+        return
+    for name in SECRET_COPIES:
+        path = os.path.join(workdir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.exists(path):
+            os.remove(path)
+    print(f"pddjax up: the services' log is kept in {os.path.join(workdir, 'services.log')}", file=sys.stderr,
+          flush=True)
+
+
 async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool = False,
                     instances: tuple[int, int, int] = (1, 1, 1), openai_port: int = 0) -> int:
     workdir = tempfile.mkdtemp(prefix="pddjax-up-")
@@ -168,6 +191,7 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
     links: list[WanLink] = []
     stop = stop_on_signals()
     log = open(os.path.join(workdir, "services.log"), "ab")
+    rc = None
     try:
         cfg_path = os.path.join(workdir, "stack.json")
         peers_file = os.path.join(workdir, "prefill-kv-peers.json")  # where P may push KV: written below
@@ -176,7 +200,8 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
         children = [spawn(r, cfg_path, workdir, log=log, name=f"{r}{k}")
                     for r, n in zip(ENGINE_ROLES, instances) for k in range(n)]
         if not await ready_unless_stopped(children, stop):
-            return 130
+            rc = 130
+            return rc
         addr = {r: [c.address for c in children if c.role == r] for r in ENGINE_ROLES}
         wan = stack.get("wan", {})
         wan_addrs = []
@@ -209,7 +234,8 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
               f"{link.mbps or 'unlimited'} Mb/s, {link.latency_ms} ms, KV wire "
               f"{stack.get('router', {}).get('kv_wire') or wan.get('kv_wire', 'native')})", flush=True)
         print(f"pddjax up: OpenAI-compatible API on {gateway['openai']} (in the router's process)", flush=True)
-        return await supervise_until_stopped(stop, children, state_file, state)
+        rc = await supervise_until_stopped(stop, children, state_file, state)
+        return rc
     finally:
         for lk in links:
             await lk.close()
@@ -217,6 +243,7 @@ async def run_stack(stack: dict, port: int, state_file: str | None, quiet: bool 
         log.close()
         if state_file and os.path.exists(state_file):
             os.remove(state_file)
+        end_workdir(workdir, rc)
 
 
 # ---- the OpenAI-compatible HTTP gateway (serving/openai), in the router's process ---------

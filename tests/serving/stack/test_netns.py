@@ -159,8 +159,10 @@ def test_pdd_across_the_namespaces_is_exact_and_its_kv_crosses_the_veth(up, tiny
 
 
 def test_stopping_deletes_the_namespaces(up):
-    topo = topology(up.read_state())
+    state = up.read_state()
+    topo = topology(state)
     assert up.close() == 0
+    assert not os.path.exists(os.path.dirname(state["log"]))  # the run's folder, with its copies of secrets
     assert not {topo.a, topo.b} & namespaces()
     links = json.loads(subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True).stdout)
     assert topo.host_dev not in {lk["ifname"] for lk in links}

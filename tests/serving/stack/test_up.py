@@ -134,3 +134,4 @@ def test_sigterm_stops_every_process(up):
         time.sleep(0.1)
     assert not any(pid_alive(p) for p in pids)
     assert not os.path.exists(up.state_file)
+    assert not os.path.exists(os.path.dirname(up.state["log"]))  # the run's folder, its log with it
