@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(120)
 
 # Runs in a fresh interpreter: this test process has JAX loaded already (conftest).
 _SCRIPT = r'''
-import asyncio, json, os, sys, tempfile
+import asyncio, json, os, sys
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -52,7 +52,7 @@ async def main():
              await peer(FakeDecode(), cluster_pb2_grpc.add_DecodeServicer_to_server),
              await peer(FakeDecode(), cluster_pb2_grpc.add_DecodeServicer_to_server)]
     stack = {"model": sys.argv[1], "router": {"prefill": peers[0][1], "relay": peers[1][1], "main": peers[2][1]}}
-    ready = os.path.join(tempfile.mkdtemp(), "ready.json")
+    ready = sys.argv[2]
     task = asyncio.create_task(serve(service_config(stack, "router"), ready))
     while not os.path.exists(ready):
         assert not task.done(), task.exception()
@@ -82,9 +82,9 @@ except BaseException:
 '''
 
 
-def test_router_serves_without_jax():
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, "smollm2-135m"], capture_output=True, text=True,
-                         timeout=100)
+def test_router_serves_without_jax(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, "smollm2-135m", str(tmp_path / "ready.json")],
+                         capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["heavy"] == [], f"the router imported {result['heavy'][:5]}"
