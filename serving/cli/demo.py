@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -242,6 +243,7 @@ def main() -> int:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        shutil.rmtree(os.path.dirname(state), ignore_errors=True)  # the state file's folder
 
 
 if __name__ == "__main__":
