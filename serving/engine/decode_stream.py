@@ -82,11 +82,9 @@ class Sink:
         if rid not in self.subscribed:
             return
         last = self._open.get(rid)
-        if last is not None:
-            b = last.batch
-            if not b.finish_reason and not b.handed_off and position == b.start_position + len(b.token_ids):
-                b.token_ids.append(token)
-                return
+        if last is not None and _follows(last.batch, position):
+            last.batch.token_ids.append(token)
+            return
         entry = self.ready_msg.items.add(request_id=rid)
         entry.batch.start_position = position
         entry.batch.token_ids.append(token)
@@ -122,11 +120,16 @@ class Sink:
         self.ready.set()
 
 
+def _follows(last: cluster_pb2.TokenBatch, position: int) -> bool:
+    """Tokens from `position` on may join `last`: it ends neither the stream (finish, handoff)
+    nor before `position`."""
+    return not last.finish_reason and not last.handed_off and position == last.start_position + len(last.token_ids)
+
+
 def _continues(last: cluster_pb2.TokenBatch, item: cluster_pb2.TokenBatch) -> bool:
     """`item` may join `last` in one batch: it follows it, and neither ends the stream by a
     handoff (a finish may join: it is the last one)."""
-    return (not last.finish_reason and not last.handed_off and not item.handed_off
-            and item.start_position == last.start_position + len(last.token_ids))
+    return not item.handed_off and _follows(last, item.start_position)
 
 
 async def serve(sink: Sink, request_iterator):

@@ -76,6 +76,10 @@ def probe(user: ServiceUser, python: str = sys.executable) -> str | None:
     return lines[-1] if lines else f"exit code {run.returncode}"
 
 
+TLS_COPY, TOKEN_COPY = "tls", "router-token"  # the services' copies of the user's secrets, in the run's folder
+SECRET_COPIES = (TLS_COPY, TOKEN_COPY)
+
+
 def prepare(workdir: str, user: str = SERVICE_USER, home: str = HOME_DIR, python: str = sys.executable) -> ServiceUser:
     """The services' user, with `workdir` (the run's folder), its HOME and a TLS copy made ready for it.
     `user` root: ROOT (the caller warns)."""
@@ -103,7 +107,7 @@ def prepare(workdir: str, user: str = SERVICE_USER, home: str = HOME_DIR, python
         extra[env.CACHE_DIR.name] = os.path.join(home, "cache")
     tls = env.TLS_DIR.get()
     if tls:
-        copy = os.path.join(workdir, "tls")
+        copy = os.path.join(workdir, TLS_COPY)
         shutil.copytree(tls, copy, symlinks=False)
         for dirpath, _, files in os.walk(copy):
             _own(dirpath, uid, gid, 0o700)
@@ -113,7 +117,7 @@ def prepare(workdir: str, user: str = SERVICE_USER, home: str = HOME_DIR, python
         extra[env.TLS_DIR.name] = copy
     token = env.ROUTER_TOKEN_FILE.get()
     if token:
-        copy = os.path.join(workdir, "router-token")
+        copy = os.path.join(workdir, TOKEN_COPY)
         shutil.copyfile(token, copy)
         os.chown(copy, uid, gid)
         os.chmod(copy, 0o600)

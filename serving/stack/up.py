@@ -38,6 +38,7 @@ import time
 from pddjax.env import CPUS, DIE_WITH_PARENT, READY_SECONDS, TLS_DIR
 from pddjax.errors import UserError
 from serving.config import ENGINE_ROLES
+from serving.stack.netns_user import SECRET_COPIES
 from serving.stack.supervise import Supervisor
 from serving.stack.wanlink import WanLink
 
@@ -162,9 +163,6 @@ async def ready_unless_stopped(children: list[Child], stop: asyncio.Event) -> bo
         return False
     await waiter
     return True
-
-
-SECRET_COPIES = ("tls", "router-token")  # what a run's folder may hold of the user's secrets (netns_user.prepare)
 
 
 def end_workdir(workdir: str, rc: int | None) -> None:
