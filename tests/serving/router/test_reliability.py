@@ -223,7 +223,9 @@ def test_router_metrics_count_what_happened(stack, client, ref):
     with pytest.raises(RouterError):
         client.generate(req(p, 8, "pdd", stop_ids=[9999]), timeout=30)
     wan = (len(p) - cross.usage["cached_on_main"] + len(q) - pdd.usage["cached_on_main"]) * BYTES_PER_TOKEN
-    handed_off = int("main" in pdd.sources)  # under heavy load RLD may finish alone (no handoff)
+    # under heavy load RLD may finish alone: no handoff, or one done (RLD's Handoff answered, its
+    # chunks in the usage) while MD never caught up to take the stream over
+    handed_off = int("main" in pdd.sources or pdd.usage["handoff_chunks"] > 0)
 
     def d(name, **labels):
         return metric(router_metrics(stack), name, **labels) - metric(before, name, **labels)
