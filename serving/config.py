@@ -46,7 +46,8 @@ service reads the top-level defaults, `[engine]`, and its own role's table on to
                               # sync_timeout_s = 120, max_sync_waiting = 64: background context syncs
                               # relay_kv_wire = the KV wire format of P -> RLD (default "native")
                               # stream_interval = 1 token per user message, stream_interval_ms = 0
-                              # (the longest a ready token waits; 0: no bound); a request may ask coarser
+                              # (the longest a ready token waits; 0: no bound); a request may ask coarser;
+                              # interval_at_source = true: RLD / MD hold the tokens to it (false: the router)
     [wan]                     # mbps (0 = unlimited), latency_ms  (pddjax up's A -> B link);
                               # kv_wire = the KV wire format of P -> MD over the WAN: native | bf16 |
                               # int8 | fp8, each optionally "+zstd" (pddjax/kv/codec.py; default
@@ -114,6 +115,7 @@ class RouterSettings:
     relay_kv_wire: str = "native"  # KV wire format P -> RLD (the fast link)
     stream_interval: int = 1  # tokens per user message (1..1024; a request may ask coarser only)
     stream_interval_ms: float = 0.0  # the longest a ready token waits before it is sent (0: no time bound)
+    interval_at_source: bool = True  # RLD / MD hold a request's tokens to its interval (false: the router groups them)
 
     def __post_init__(self):
         for f in ("prefill", "relay", "main", "main_wan", "relay_kv"):
@@ -137,6 +139,8 @@ class RouterSettings:
             raise UserError(f"[router] stream_interval must be in 1..{MAX_STREAM_INTERVAL} tokens and "
                             f"stream_interval_ms in 0..{MAX_STREAM_INTERVAL_MS}, got {self.stream_interval} "
                             f"and {self.stream_interval_ms}")
+        if not isinstance(self.interval_at_source, bool):
+            raise UserError(f"[router] interval_at_source must be true or false, got {self.interval_at_source!r}")
         if not isinstance(self.give_up_main, bool) or not 0 <= float(self.handoff_switch_prior_s) < float("inf"):
             raise UserError(f"[router] give_up_main must be true or false and handoff_switch_prior_s a finite "
                             f"number >= 0, got {self.give_up_main!r} and {self.handoff_switch_prior_s!r}")

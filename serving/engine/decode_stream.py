@@ -13,16 +13,23 @@ ending (the caller gone) ends all of its subscriptions.
 The engine thread's posts of one step reach the event loop together (`worker._flush`), each
 item lands here (`SlotTable.put` -> `Slot.sink`), and the writer sends everything ready in one
 `DecodeStreamResponse`, a request's contiguous batches merged into one entry.
+
+A subscription may carry its request's stream interval (`StreamHold`: K tokens, a bound in ms):
+after its first batch, the request's tokens are held here until K are ready or the oldest waited
+the bound, then go as one entry; a finish, a handoff or a status goes at once, with what was held
+before it. The caller then reads one entry per K tokens instead of one per step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 
+from serving.config import MAX_STREAM_INTERVAL, MAX_STREAM_INTERVAL_MS
 from serving.engine.slot import RpcFailure
 from serving.pb import cluster_pb2
 
@@ -40,31 +47,55 @@ class Sink:
         self._open: dict[str, cluster_pb2.RequestTokens] = {}  # a request's last ready batch (merging)
         self.ready = asyncio.Event()
         self.draining = False  # the service drains: the stream ends once no subscription is left
+        self.holds: dict[str, tuple[int, float]] = {}  # a held subscription's (tokens, bound in s; 0: none)
+        self.held: dict[str, cluster_pb2.TokenBatch] = {}  # its tokens held, once its first batch went
+        self.due: dict[str, float] = {}  # perf_counter by which a held batch must go (a bound set)
+        self._started: set[str] = set()  # held subscriptions whose first batch went
 
-    def subscribe(self, rid: str) -> None:
+    def subscribe(self, rid: str, hold: cluster_pb2.StreamHold | None = None) -> None:
+        """`rid`'s stream from here on (what its slot queued first), held per `hold` if given."""
         slot = self.slots.get(rid)
         if slot is None:
-            self._append(rid, RpcFailure(grpc.StatusCode.NOT_FOUND, f"request {rid} is not reserved on {self.role}"))
+            self.refuse(rid, RpcFailure(grpc.StatusCode.NOT_FOUND, f"request {rid} is not reserved on {self.role}"))
             return
+        if hold is not None and not (hold.tokens <= MAX_STREAM_INTERVAL and hold.ms <= MAX_STREAM_INTERVAL_MS):
+            self.refuse(rid, RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"request {rid}'s stream hold must be 0..{MAX_STREAM_INTERVAL} tokens and "
+                                        f"0..{MAX_STREAM_INTERVAL_MS} ms, got {hold.tokens} / {hold.ms}"))
+            return
+        held = []
         if slot.sink is not None:  # another stream had it: this one takes over, as a second Decode call would
-            slot.sink.unsubscribe(rid)
+            moved = slot.sink.unsubscribe(rid)
+            if moved is not None:
+                held.append(moved)
         slot.streams += 1
         self.subscribed[rid] = slot
-        held = []
+        if hold is not None and hold.tokens > 1:
+            self.holds[rid] = (hold.tokens, hold.ms / 1e3)
         while not slot.out.empty():  # queued before the subscription (no reader yet)
             held.append(slot.out.get_nowait())
         slot.sink = self
         for item in held:
             self.add(slot, item)
 
-    def unsubscribe(self, rid: str) -> None:
+    def refuse(self, rid: str, failure: RpcFailure) -> None:
+        """A subscription not taken: its stream ends with `failure` at once (no other is touched)."""
+        self._append(rid, failure)
+
+    def unsubscribe(self, rid: str) -> cluster_pb2.TokenBatch | None:
+        """-> the tokens held for it, not sent (a stream taking the request over sends them)."""
         slot = self.subscribed.pop(rid, None)
         if slot is None:
-            return
+            return None
         if slot.sink is self:
             slot.sink = None
         slot.streams -= 1
         slot.touched = time.monotonic()
+        if self.holds.pop(rid, None) is None:
+            return None
+        self._started.discard(rid)
+        self.due.pop(rid, None)
+        return self.held.pop(rid, None)
 
     def add(self, slot: Slot, item) -> None:
         """An item of a subscribed slot's stream (TokenBatch | RpcFailure); one that ends it ends
@@ -72,15 +103,36 @@ class Sink:
         rid = slot.request_id
         if rid not in self.subscribed:
             return
+        ends = isinstance(item, RpcFailure) or item.finish_reason or item.handed_off
+        hold = self.holds.get(rid)
+        if hold is not None:
+            if not ends and rid in self._started:
+                self._hold(rid, item, hold)
+                return
+            self._started.add(rid)
+            if rid in self.held:
+                self.release(rid)
         self._append(rid, item)
-        if isinstance(item, RpcFailure) or item.finish_reason or item.handed_off:
+        if ends:
             self.unsubscribe(rid)
 
     def add_token(self, rid: str, position: int, token: int) -> None:
         """One token (no logprob, not the last) of a subscribed request: `add` of its one-token
-        TokenBatch, written straight into the ready message."""
+        TokenBatch, written straight into the ready message (or held)."""
         if rid not in self.subscribed:
             return
+        hold = self.holds.get(rid)
+        if hold is not None:
+            if rid in self._started:
+                held = self.held.get(rid)
+                if held is None or not _follows(held, position):
+                    self._hold(rid, cluster_pb2.TokenBatch(start_position=position, token_ids=(token,)), hold)
+                    return
+                held.token_ids.append(token)
+                if len(held.token_ids) >= hold[0]:
+                    self.release(rid)
+                return
+            self._started.add(rid)
         last = self._open.get(rid)
         if last is not None and _follows(last.batch, position):
             last.batch.token_ids.append(token)
@@ -106,6 +158,42 @@ class Sink:
                 entry.batch.MergeFrom(item)
                 self._open[rid] = entry
         self.ready.set()
+
+    def _hold(self, rid: str, item: cluster_pb2.TokenBatch, hold: tuple[int, float]) -> None:
+        """`item` (no finish, no handoff) joins the request's held batch; the batch goes once it
+        holds `hold`'s tokens."""
+        held = self.held.get(rid)
+        if held is not None and not _continues(held, item):
+            self.release(rid)  # not contiguous (never seen in order): what was held goes first
+            held = None
+        if held is None:
+            held = self.held[rid] = cluster_pb2.TokenBatch()
+            held.MergeFrom(item)
+            if hold[1]:
+                self.due[rid] = time.perf_counter() + hold[1]
+                self.ready.set()  # the writer waits for this bound too
+        else:
+            held.token_ids.extend(item.token_ids)
+            held.logprobs.extend(item.logprobs)
+        if len(held.token_ids) >= hold[0]:
+            self.release(rid)
+
+    def release(self, rid: str) -> None:
+        """The request's held batch goes into the ready message."""
+        self.due.pop(rid, None)
+        self._append(rid, self.held.pop(rid))
+
+    def release_due(self) -> float | None:
+        """Sends the held batches whose bound passed -> the next bound (perf_counter), or None."""
+        if not self.due:
+            return None
+        now, nxt = time.perf_counter(), None
+        for rid, due in list(self.due.items()):
+            if due <= now:
+                self.release(rid)
+            elif nxt is None or due < nxt:
+                nxt = due
+        return nxt
 
     def take(self) -> cluster_pb2.DecodeStreamResponse:
         msg, self.ready_msg, self._open = self.ready_msg, cluster_pb2.DecodeStreamResponse(), {}
@@ -139,6 +227,7 @@ async def serve(sink: Sink, request_iterator):
     reader = asyncio.create_task(_read(sink, request_iterator))
     try:
         while True:
+            due = sink.release_due()
             if not sink.ready_msg.items:
                 if reader.done():
                     if reader.exception() is not None:
@@ -148,7 +237,12 @@ async def serve(sink: Sink, request_iterator):
                 if sink.draining and not sink.subscribed:
                     return
                 sink.ready.clear()
-                await sink.ready.wait()
+                if due is None:
+                    await sink.ready.wait()
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(max(0.0, due - time.perf_counter())):
+                            await sink.ready.wait()
                 continue
             yield sink.take()
     finally:
@@ -159,8 +253,14 @@ async def serve(sink: Sink, request_iterator):
 async def _read(sink: Sink, request_iterator) -> None:
     try:
         async for req in request_iterator:
-            for rid in req.subscribe:
-                sink.subscribe(rid)
+            holds = req.subscribe_hold
+            if holds and len(holds) != len(req.subscribe):
+                why = f"subscribe_hold must be empty or one per subscribe ({len(holds)} for {len(req.subscribe)})"
+                for rid in req.subscribe:
+                    sink.refuse(rid, RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, why))
+            else:
+                for i, rid in enumerate(req.subscribe):
+                    sink.subscribe(rid, holds[i] if holds else None)
             for rid in req.unsubscribe:
                 sink.unsubscribe(rid)
     finally:

@@ -13,6 +13,7 @@ fails every request on it and the next subscription opens a new one.
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import TYPE_CHECKING
 
 import grpc
@@ -77,16 +78,18 @@ class Mux:
         self.inst, self.subs = inst, {}
         self.broken = False
         self._subscribe: list[str] = []
+        self._holds: list[cluster_pb2.StreamHold | None] = []  # one per `_subscribe`
         self._unsubscribe: list[str] = []
         self._wake = asyncio.Event()
         self.call = pools.stub(inst).DecodeStream()
         self._writer = asyncio.create_task(self._write())
         self._reader = asyncio.create_task(self._read())
 
-    def subscribe(self, rid: str, q, who: str, on_error=None) -> Subscription:
+    def subscribe(self, rid: str, q, who: str, on_error=None, hold: tuple[int, float] = (1, 0.0)) -> Subscription:
         sub = Subscription(self, rid, q, who, on_error)
         self.subs[rid] = sub
         self._subscribe.append(rid)
+        self._holds.append(cluster_pb2.StreamHold(tokens=hold[0], ms=math.ceil(hold[1])) if hold[0] > 1 else None)
         self._wake.set()
         return sub
 
@@ -108,7 +111,9 @@ class Mux:
                 await self._wake.wait()
                 self._wake.clear()
                 req = cluster_pb2.DecodeStreamRequest(subscribe=self._subscribe, unsubscribe=self._unsubscribe)
-                self._subscribe, self._unsubscribe = [], []
+                if any(h is not None for h in self._holds):
+                    req.subscribe_hold.extend(h or cluster_pb2.StreamHold() for h in self._holds)
+                self._subscribe, self._holds, self._unsubscribe = [], [], []
                 await self.call.write(req)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the stream broke: the reader fails every subscription
@@ -138,8 +143,9 @@ class Mux:
         self.call.cancel()
 
 
-def subscribe(inst: Instance, rid: str, q, who: str, on_error=None) -> Subscription:
-    """`rid`'s tokens from `inst` into `q` (see the module docstring), over its one DecodeStream."""
+def subscribe(inst: Instance, rid: str, q, who: str, on_error=None, hold: tuple[int, float] = (1, 0.0)) -> Subscription:
+    """`rid`'s tokens from `inst` into `q` (see the module docstring), over its one DecodeStream;
+    `hold` (tokens, ms): the service groups them so (after the first batch; `StreamHold`)."""
     if inst.decode_stream is None:
         inst.decode_stream = Mux(inst)
-    return inst.decode_stream.subscribe(rid, q, who, on_error)
+    return inst.decode_stream.subscribe(rid, q, who, on_error, hold)

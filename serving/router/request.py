@@ -129,6 +129,7 @@ class Request:
     spec: cluster_pb2.SequenceSpec | None = None  # what every tier is sent
     mode: int = common_pb2.HANDOFF_MODE_CHUNKED  # RLD -> MD handoff
     stream_interval: tuple[int, float] = (1, 0.0)  # tokens per user message, their longest wait in ms (interval.py)
+    interval_at_source: bool = False  # RLD / MD group the tokens to `stream_interval` (StreamHold), not the router
 
     # ---- the plan (choose) ----
     pipeline: int = common_pb2.PIPELINE_AUTO  # the one served (a fallback to pd-local changes it)

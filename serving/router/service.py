@@ -168,6 +168,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def _generate(self, req: router_pb2.GenerateRequest, r: Request):
         await validate.read(r, req, self.cfg, self.tok, self.s.handoff, self.s.tool_parser,
                             (int(self.s.stream_interval), float(self.s.stream_interval_ms)))
+        r.interval_at_source = self.s.interval_at_source and r.stream_interval[0] > 1
         r.advance(State.ADMISSION)
         await self.admission.enter(r.deadline)  # Refused (RESOURCE_EXHAUSTED) past max_inflight + max_queue
         r.advance(State.PLAN)  # holds the admission slot (`r.admitted`)

@@ -66,7 +66,9 @@ class Output:
         self.build = Messages(r, tokenizer)  # Delta -> GenerateResponse
         self.tools = ToolText(r.tools) if r.tools is not None else None  # tool calls read out of the text
         self.on_switch = on_switch
-        self.group = Group(*r.stream_interval)  # messages grouped per the stream interval
+        # messages grouped per the stream interval; where RLD / MD hold the tokens to it (StreamHold) with
+        # a time bound, a batch short of K waited the bound there already: each goes as it comes
+        self.group = Group() if r.interval_at_source and r.stream_interval[1] else Group(*r.stream_interval)
         self.ahead = Ahead(r.label, r.wants_logprobs)  # MD's tokens while RLD is the source
         self.relay_held: list | None = None  # RLD's items held back while the user waits for MD (Verdict.WAIT)
         self.hold_until = 0.0  # perf_counter after which RLD's held items go on and MD is dropped

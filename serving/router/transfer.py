@@ -69,15 +69,16 @@ class Transfers:
     async def open(self, r: Request) -> None:
         """RLD's and MD's Decode streams, then P's Prefill pushing KV to both at once."""
         targets = []
+        hold = r.stream_interval if r.interval_at_source else (1, 0.0)
         if r.uses_relay:  # the tiers' tokens come on their instance's one DecodeStream (decode_streams.py)
             lost = self._relay_lost(r) if r.pipeline == common_pb2.PIPELINE_PDD else None
-            r.relay_pump = decode_streams.subscribe(r.relay, r.rid, r.relay_out, "relay", lost)
+            r.relay_pump = decode_streams.subscribe(r.relay, r.rid, r.relay_out, "relay", lost, hold)
             r.tasks.append(r.relay_pump)
             targets.append(cluster_pb2.KVTarget(address=r.relay.kv_address, start=r.cached_relay,
                                                 role=common_pb2.ROLE_RELAY, include_first_token=True,
                                                 kv_wire=r.kv_wire_relay))
         if r.uses_main:
-            r.tasks.append(decode_streams.subscribe(r.main, r.rid, r.main_out, "main"))
+            r.tasks.append(decode_streams.subscribe(r.main, r.rid, r.main_out, "main", hold=hold))
             targets.append(cluster_pb2.KVTarget(address=r.main.kv_address, start=r.cached_main,
                                                 role=common_pb2.ROLE_MAIN, include_first_token=not r.uses_relay,
                                                 kv_wire=r.kv_wire_main))
