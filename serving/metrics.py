@@ -57,6 +57,9 @@ class ServiceMetrics:
                                   registry=r)
         self.spec_accepted = Gauge("pddjax_spec_accepted_tokens", "draft tokens accepted (speculative decoding)",
                                    registry=r)
+        self.stream_entries = Counter("pddjax_decode_stream_entries", "request entries sent on DecodeStreams (a "
+                                      "request's tokens in one message; per token: < 1 when held to an interval)",
+                                      registry=r)
         self.engine_faults = Counter("pddjax_engine_faults", "engine steps that raised (their sequences failed)",
                                      registry=r)
         self.url: str | None = None

@@ -204,7 +204,7 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
 
     async def DecodeStream(self, request_iterator, context):
         """Many requests' Decode streams on one (decode_stream.py): the router's per instance."""
-        sink = decode_stream.Sink(self.slots, self.role)
+        sink = decode_stream.Sink(self.slots, self.role, self.metrics.stream_entries if self.metrics else None)
         async for msg in self._persistent(sink, decode_stream.serve(sink, request_iterator)):
             yield msg
 

@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 class Sink:
     """One DecodeStream's subscriptions and the entries ready to send (event-loop thread only)."""
 
-    def __init__(self, slots: SlotTable, role: str):
+    def __init__(self, slots: SlotTable, role: str, entries_sent=None):
         self.slots, self.role = slots, role
+        self.entries_sent = entries_sent  # a Counter of the entries sent (the service's metrics), or None
         self.subscribed: dict[str, Slot] = {}
         self.ready_msg = cluster_pb2.DecodeStreamResponse()  # the entries ready, in arrival order (the next message)
         self._open: dict[str, cluster_pb2.RequestTokens] = {}  # a request's last ready batch (merging)
@@ -244,7 +245,10 @@ async def serve(sink: Sink, request_iterator):
                         async with asyncio.timeout(max(0.0, due - time.perf_counter())):
                             await sink.ready.wait()
                 continue
-            yield sink.take()
+            msg = sink.take()
+            if sink.entries_sent is not None:
+                sink.entries_sent.inc(len(msg.items))
+            yield msg
     finally:
         reader.cancel()
         sink.close()

@@ -20,7 +20,7 @@ from serving.openai.server import start_cohosted
 from serving.openai.upstream import GrpcUpstream
 from tests.support.samples import prompt
 from tests.support.serving_stack import TINY_STACK
-from tests.support.stack_checks import assert_idle
+from tests.support.stack_checks import assert_idle, scrape
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -61,6 +61,23 @@ def test_intervals_group_the_same_tokens_and_logprobs(client, ref, stack, pipeli
         base_sizes = base_sizes or sizes
         assert k == 1 or len(sizes) < len(base_sizes)
     assert_idle(stack)
+
+
+def test_rld_and_md_hold_the_tokens_so_the_router_reads_one_entry_per_k(client, ref, stack):
+    """The interval is kept where the tokens are made: RLD's (pd-local) and MD's (pd-cross)
+    DecodeStream entries for one request at K = 8 are its messages (the first, one per 8, the
+    last), not one per engine step as at K = 1."""
+    p = prompt(38, 7)
+    want = ref.generate(p, SamplingParams(), N, ()).token_ids
+    for pipeline, role in (("pd-local", "relay"), ("pd-cross", "main")):
+        url = next(c.metrics for c in stack.children if c.role == role)
+        sent = {}
+        for k in (1, 8):
+            before = scrape(url)[("pddjax_decode_stream_entries_total", ())]
+            r, _ = streamed(client, p, pipeline, k)
+            assert r.token_ids == want and set(r.sources) == {role}, (pipeline, k)
+            sent[k] = scrape(url)[("pddjax_decode_stream_entries_total", ())] - before
+        assert sent[8] <= 2 + N // 8 < N // 2 <= sent[1], (pipeline, sent)
 
 
 def test_bad_values_are_refused_and_a_stream_in_flight_goes_on(client, ref):

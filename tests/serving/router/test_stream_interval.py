@@ -28,13 +28,14 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def run(data: bytes, interval=(1, 0.0), every_s: float = 0.0):
+def run(data: bytes, interval=(1, 0.0), every_s: float = 0.0, at_source: bool = False):
     """-> [(message, perf_counter received)], [perf_counter each token was put] for one-token RLD
-    batches (`every_s` apart: a slow engine) through Output at `interval`."""
+    batches (`every_s` apart: a slow engine) through Output at `interval` (`at_source`: RLD holds
+    the tokens to it, `Request.interval_at_source`)."""
 
     async def main():
         r = Request()
-        r.pipeline, r.stream_interval = common_pb2.PIPELINE_PD_LOCAL, interval
+        r.pipeline, r.stream_interval, r.interval_at_source = common_pb2.PIPELINE_PD_LOCAL, interval, at_source
         for state in (State.ADMISSION, State.PLAN, State.RESERVE, State.RELAY_STREAMING):
             r.advance(state)
         put_at = []
@@ -78,11 +79,12 @@ def test_out_of_range_is_invalid_argument_naming_the_field(kw, field):
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.message.startswith(field + " must")
 
 
-@pytest.mark.parametrize("kw", [{"stream_interval": 0}, {"stream_interval_ms": -1}, {"stream_interval": 2000}])
+@pytest.mark.parametrize("kw", [{"stream_interval": 0}, {"stream_interval_ms": -1}, {"stream_interval": 2000},
+                                {"interval_at_source": "yes"}])
 def test_service_settings_out_of_range_are_refused(kw):
     from pddjax.errors import UserError
 
-    with pytest.raises(UserError, match="stream_interval"):
+    with pytest.raises(UserError, match=next(iter(kw))):
         RouterSettings(**kw)
 
 
@@ -136,6 +138,17 @@ def test_no_token_waits_past_the_bound_behind_a_slow_engine():
     print(f"longest wait {max(waits) * 1e3:.1f} ms, tokens per message {len(data) / len(waits):.1f}")
     assert max(waits) < 0.040 + 0.025
     assert max(len(m.token_ids) for m, _ in got) < 8
+
+
+def test_where_rld_holds_to_a_bound_the_router_sends_each_batch_as_it_comes():
+    """RLD holds the tokens (StreamHold): a batch short of K with a bound waited it there already,
+    so the router adds no wait of its own; without a bound it still joins short batches to K
+    (the switch's, in pdd)."""
+    data = TEXT.encode()[:30]
+    got, _ = run(data, (8, 40.0), at_source=True)
+    assert [len(m.token_ids) for m, _ in got] == [1] * len(data)
+    got, _ = run(data, (8, 0.0), at_source=True)
+    assert [len(m.token_ids) for m, _ in got] == [1, 8, 8, 8, 5]
 
 
 def test_join_merges_a_calls_deltas_and_keeps_logprobs_in_order():
