@@ -70,6 +70,9 @@ def register(bsub) -> None:
                    help="pdd's handoff mode per request (default: the router's [router] handoff, auto)")
     p.add_argument("--keep-main", action="store_true",
                    help="pdd: never give MD up ([router] give_up_main = false: every request hands off)")
+    p.add_argument("--interval-at-router", action="store_true",
+                   help="the router groups the stream interval, RLD / MD send every step's tokens "
+                        "([router] interval_at_source = false: the side-by-side of where it is kept)")
     p.add_argument("--burst", default="64,256", help="queued-burst stream counts ('' = none)")
     p.add_argument("--burst-tokens", type=int, default=128)
     p.add_argument("--burst-pipelines", default="pd-local,pdd")
@@ -106,7 +109,8 @@ def stack_config(args) -> dict:
               "max_step_tokens": args.max_step_tokens, "max_rows": args.max_rows, "prefix_cache": True}
     return {"model": args.model, "platform": "cpu", "engine": engine,
             "router": {"wan_mbps_prior": args.wan_mbps, "wan_latency_ms_prior": args.wan_latency_ms,
-                       "give_up_main": not getattr(args, "keep_main", False)},
+                       "give_up_main": not getattr(args, "keep_main", False),
+                       "interval_at_source": not getattr(args, "interval_at_router", False)},
             "wan": {"mbps": args.wan_mbps, "latency_ms": args.wan_latency_ms, "jitter_ms": 0.0}}
 
 
