@@ -19,19 +19,11 @@ import pytest
 from serving.engine import decode_stream
 from serving.engine.slot import RpcFailure, Slot, _deliver, _deliver_token
 from serving.pb import cluster_pb2, cluster_pb2_grpc
-from serving.router import decode_streams, pools
+from serving.router import decode_streams
 from serving.router.request import Abort
+from tests.support.decode_stream_fakes import Engine, Table, batch, start, until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def batch(start, tokens, finish=0, handed_off=False):
-    return cluster_pb2.TokenBatch(start_position=start, token_ids=tokens, finish_reason=finish,
-                                  handed_off=handed_off, handed_off_at=start + len(tokens) if handed_off else 0)
-
-
-class Table(dict):
-    """The SlotTable's `get` is all a Sink reads."""
 
 
 def test_a_subscription_is_served_as_its_decode_stream_was():
@@ -67,37 +59,6 @@ def test_a_subscription_is_served_as_its_decode_stream_was():
         assert [(i.code, i.error) for i in items] == [(0, ""), (grpc.StatusCode.INTERNAL.value[0], "the step failed")]
         assert c.streams == 0
     asyncio.run(main())
-
-
-class Engine(cluster_pb2_grpc.DecodeServicer):
-    """DecodeStream over real slots (decode_stream.serve); the test feeds the slots."""
-
-    def __init__(self, slots):
-        self.table, self.sinks = Table(slots), []
-
-    async def DecodeStream(self, request_iterator, context):
-        sink = decode_stream.Sink(self.table, "relay")
-        self.sinks.append(sink)
-        async for msg in decode_stream.serve(sink, request_iterator):
-            yield msg
-
-
-async def start(servicer):
-    server = grpc.aio.server()
-    cluster_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    inst = pools.Instance("relay", f"127.0.0.1:{port}", name="RLD0")
-    inst.channel = grpc.aio.insecure_channel(inst.address)
-    return server, inst
-
-
-async def until(cond, timeout=5.0):
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("timed out")
 
 
 def test_a_token_delivered_alone_is_what_its_one_token_batch_would_be():

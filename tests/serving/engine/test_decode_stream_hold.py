@@ -21,7 +21,7 @@ from serving.engine import decode_stream
 from serving.engine.slot import RpcFailure, Slot, _deliver, _deliver_token
 from serving.pb import cluster_pb2, common_pb2
 from serving.router import decode_streams
-from tests.serving.engine.test_decode_stream import Engine, Table, batch, start, until
+from tests.support.decode_stream_fakes import Engine, Table, batch, start, until
 
 pytestmark = pytest.mark.timeout(60)
 
