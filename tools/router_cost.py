@@ -9,7 +9,11 @@ the whole loop (process time) over the tokens, per stream interval; rounds inter
 intervals and the figures are the medians and minima over rounds. What it leaves out: the
 DecodeStream's parse, the user's stream writes (gRPC), admission and the tiers' calls.
 
-  .venv/bin/python -m tools.router_cost [--requests 64 --tokens 256 --intervals 1,8 --rounds 7] [--json F]
+`--at-source`: beside each interval K > 1, the same streams as RLD sends them when it holds the
+tokens to K (`[router] interval_at_source`, StreamHold): the first token alone, then one entry of
+K tokens every K steps, instead of one token every step.
+
+  .venv/bin/python -m tools.router_cost [--requests 64 --tokens 256 --intervals 1,8 --rounds 7] [--at-source] [--json F]
 
 Another revision: run it from that revision's checkout (`git worktree add D REV`, then
 `PYTHONPATH=D python -m tools.router_cost` from D) in turns with this tree's.
@@ -51,26 +55,33 @@ async def _read(out: Output) -> int:
     return n
 
 
-async def one_run(requests: int, tokens: int, interval: int, metrics: RouterMetrics) -> tuple[float, int]:
-    """-> (CPU us per output token, messages sent) for `requests` streams of `tokens` tokens."""
+async def one_run(requests: int, tokens: int, interval: int, metrics: RouterMetrics,
+                  at_source: bool = False) -> tuple[float, int]:
+    """-> (CPU us per output token, messages sent) for `requests` streams of `tokens` tokens
+    (`at_source`: RLD's entries hold `interval` tokens each after the first)."""
     subs, reads = [], []
     for i in range(requests):
         r = Request(rid=f"r{i}", label=f"r{i}")
         r.pipeline, r.stream_interval = common_pb2.PIPELINE_PD_LOCAL, (interval, 0.0)
+        r.interval_at_source = at_source
         for s in (State.ADMISSION, State.PLAN, State.RESERVE, State.RELAY_STREAMING):
             r.advance(s)
         subs.append(Subscription(_Mux(), r.rid, r.relay_out, "relay"))
         reads.append(asyncio.create_task(_read(Output(r, None, (), metrics))))
     await asyncio.sleep(0)
     c0 = time.process_time()
-    for pos in range(tokens):
-        finish = common_pb2.FINISH_REASON_LENGTH if pos == tokens - 1 else 0
+    pos = 0
+    while pos < tokens:
+        n = min(interval, tokens - pos) if at_source and pos else 1
+        finish = common_pb2.FINISH_REASON_LENGTH if pos + n == tokens else 0
         msg = cluster_pb2.DecodeStreamResponse(items=[
             cluster_pb2.RequestTokens(request_id=s.rid, batch=cluster_pb2.TokenBatch(
-                start_position=pos, token_ids=[7 + pos % 100], finish_reason=finish)) for s in subs])
+                start_position=pos, token_ids=[7 + (pos + j) % 100 for j in range(n)], finish_reason=finish))
+            for s in subs])
         for sub, item in zip(subs, msg.items):
             sub.deliver(item)
-        await asyncio.sleep(0)  # the next step's message comes in a later loop pass
+        await asyncio.sleep(0)  # the next message comes in a later loop pass
+        pos += n
     sent = sum(await asyncio.gather(*reads))
     return 1e6 * (time.process_time() - c0) / (requests * tokens), sent
 
@@ -81,22 +92,25 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--intervals", default="1,8", help="tokens per message, comma-separated")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--at-source", action="store_true", help="also each K > 1 as RLD sends it when it holds to K")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    intervals = [int(x) for x in a.intervals.split(",")]
+    cases = [(int(x), False) for x in a.intervals.split(",")]
+    cases += [(k, True) for k, _ in cases if a.at_source and k > 1]
     metrics = RouterMetrics()
-    got: dict[int, list[float]] = {k: [] for k in intervals}
-    messages: dict[int, int] = {}
+    got: dict[tuple[int, bool], list[float]] = {c: [] for c in cases}
+    messages: dict[tuple[int, bool], int] = {}
     for _ in range(a.rounds):
-        for k in intervals:
-            us, messages[k] = asyncio.run(one_run(a.requests, a.tokens, k, metrics))
-            got[k].append(us)
-    rows = [{"interval": k, "us_per_token_p50": round(statistics.median(v), 2), "us_per_token_min": round(min(v), 2),
-             "messages_per_request": messages[k] / a.requests, "rounds": [round(x, 2) for x in v]}
-            for k, v in got.items()]
+        for k, at_source in cases:
+            us, messages[k, at_source] = asyncio.run(one_run(a.requests, a.tokens, k, metrics, at_source))
+            got[k, at_source].append(us)
+    rows = [{"interval": k, "at_source": s, "us_per_token_p50": round(statistics.median(v), 2),
+             "us_per_token_min": round(min(v), 2), "messages_per_request": messages[k, s] / a.requests,
+             "rounds": [round(x, 2) for x in v]} for (k, s), v in got.items()]
     print(f"router CPU per output token ({a.requests} streams x {a.tokens} tokens, {a.rounds} rounds):")
     for row in rows:
-        print(f"  interval {row['interval']}: p50 {row['us_per_token_p50']} us, min {row['us_per_token_min']} us, "
+        print(f"  interval {row['interval']}{' held at the source' if row['at_source'] else ''}: "
+              f"p50 {row['us_per_token_p50']} us, min {row['us_per_token_min']} us, "
               f"{row['messages_per_request']:.1f} messages a request")
     if a.json:
         with open(a.json, "w") as f:
