@@ -38,6 +38,8 @@ class EngineWorker:
         self._arrival = itertools.count()
         self._stop = False
         self._posted: list[tuple[Callable, tuple]] = []  # post()s not handed to the loop yet (engine thread)
+        self._handed: list[tuple[Callable, tuple]] = []  # handed over, not run yet by the loop (under _hand_lock)
+        self._hand_lock = threading.Lock()
         self.steps = 0
         self.faults = StepFaults(name)  # a step that raises fails its sequences, never retried
         self.metrics = None  # a ServiceMetrics: engine gauges are set from this thread (<= 4 per s, and when idle)
@@ -76,9 +78,23 @@ class EngineWorker:
             self.loop.call_soon_threadsafe(fn, *args)
 
     def _flush(self) -> None:
-        if self._posted:
-            batch, self._posted = self._posted, []
-            self.loop.call_soon_threadsafe(_run_posted, self.loop, batch)
+        """Hands the posts over. The loop is woken only when it has no hand-over pending: while it
+        is busy, later steps' posts join the pending one (each wake-up costs the engine thread a
+        cross-CPU signal: ~30 us on this VM, more under load) and run with it, in order."""
+        if not self._posted:
+            return
+        with self._hand_lock:
+            pending = bool(self._handed)
+            self._handed += self._posted
+        self._posted = []
+        if not pending:
+            self.loop.call_soon_threadsafe(self._run_handed)
+
+    def _run_handed(self) -> None:
+        """Event loop: every post handed over so far, in order."""
+        with self._hand_lock:
+            batch, self._handed = self._handed, []
+        _run_posted(self.loop, batch)
 
     def stop(self) -> None:
         self._stop = True

@@ -116,6 +116,43 @@ def test_a_steps_posts_reach_the_loop_in_one_wake_up_in_order_before_the_caller_
     assert posted == [0, 1, 2, 3, 4]  # ran before the awaiting coroutine resumed
 
 
+def test_while_the_loop_is_busy_later_steps_posts_join_the_pending_hand_over():
+    """The loop is woken once per hand-over it has not run yet: 10 steps while it is busy cost one
+    wake-up, and their 40 posts still run in order."""
+    got: list = []
+
+    async def main():
+        e = Engine(work=0)
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        real = loop.call_soon_threadsafe
+
+        def counting(fn, *args):
+            nonlocal wakeups
+            wakeups += 1
+            return real(fn, *args)
+
+        loop.call_soon_threadsafe = counting
+        w = EngineWorker(e, loop, on_step=lambda events: [w.post(got.append, (e.work, i)) for i in range(4)])
+        try:
+            await w.call(lambda eng: None)
+            before = wakeups
+            e.work = 10
+            w.run_soon(lambda eng: None)  # wakes the idle engine thread
+            deadline = time.monotonic() + 20
+            while e.work and time.monotonic() < deadline:  # the loop is busy (blocked here): the engine steps
+                time.sleep(0.01)
+            assert e.work == 0
+            await asyncio.sleep(0.05)
+            return wakeups - before
+        finally:
+            w.stop()
+
+    wakeups = asyncio.run(main())
+    assert got == [(n, i) for n in range(9, -1, -1) for i in range(4)]  # every post, in order
+    assert wakeups == 1, wakeups
+
+
 def test_queued_token_batches_of_a_stream_leave_as_one_message():
     from serving.engine.decode import _merge_ready
     from serving.engine.slot import RpcFailure
