@@ -32,6 +32,18 @@ class Engine:
         return []
 
 
+def count_wakeups(loop) -> list[int]:
+    """[the loop's cross-thread wake-ups (call_soon_threadsafe) from now on], counted as they come."""
+    wakeups, real = [0], loop.call_soon_threadsafe
+
+    def counting(fn, *args):
+        wakeups[0] += 1
+        return real(fn, *args)
+
+    loop.call_soon_threadsafe = counting
+    return wakeups
+
+
 def _slow(e: Engine, name: str, seconds: float) -> str:
     time.sleep(seconds)
     e.log.append(name)
@@ -88,15 +100,7 @@ def test_a_steps_posts_reach_the_loop_in_one_wake_up_in_order_before_the_caller_
     async def main():
         e = Engine(work=0)  # given its 3 steps once `w` is bound (the thread steps as soon as it starts)
         loop = asyncio.get_running_loop()
-        wakeups = 0
-        real = loop.call_soon_threadsafe
-
-        def counting(fn, *args):
-            nonlocal wakeups
-            wakeups += 1
-            return real(fn, *args)
-
-        loop.call_soon_threadsafe = counting
+        wakeups = count_wakeups(loop)
         w = EngineWorker(e, loop, on_step=lambda events: [w.post(got.append, ("step", i)) for i in range(32)])
         e.work = 3
         try:
@@ -104,7 +108,7 @@ def test_a_steps_posts_reach_the_loop_in_one_wake_up_in_order_before_the_caller_
             while e.work:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.05)
-            before, posted = wakeups, []
+            before, posted = wakeups[0], []
             await w.call(lambda eng: [w.post(posted.append, i) for i in range(5)])
             return before, list(posted)
         finally:
@@ -124,19 +128,11 @@ def test_while_the_loop_is_busy_later_steps_posts_join_the_pending_hand_over():
     async def main():
         e = Engine(work=0)
         loop = asyncio.get_running_loop()
-        wakeups = 0
-        real = loop.call_soon_threadsafe
-
-        def counting(fn, *args):
-            nonlocal wakeups
-            wakeups += 1
-            return real(fn, *args)
-
-        loop.call_soon_threadsafe = counting
+        wakeups = count_wakeups(loop)
         w = EngineWorker(e, loop, on_step=lambda events: [w.post(got.append, (e.work, i)) for i in range(4)])
         try:
             await w.call(lambda eng: None)
-            before = wakeups
+            before = wakeups[0]
             e.work = 10
             w.run_soon(lambda eng: None)  # wakes the idle engine thread
             deadline = time.monotonic() + 20
@@ -144,7 +140,7 @@ def test_while_the_loop_is_busy_later_steps_posts_join_the_pending_hand_over():
                 time.sleep(0.01)
             assert e.work == 0
             await asyncio.sleep(0.05)
-            return wakeups - before
+            return wakeups[0] - before
         finally:
             w.stop()
 
