@@ -269,7 +269,9 @@ class DecodeService(cluster_pb2_grpc.DecodeServicer):
         return cluster_pb2.ReleaseResponse(found=await self.worker.call(release_and_wake))
 
     async def Info(self, request, context):
-        return await service_info(self.worker, self.info, check=self.slots.check_integrity)
+        info = await service_info(self.worker, self.info, check=self.slots.check_integrity)
+        info.integrity_error = info.integrity_error or decode_stream.integrity_error(self.persistent)
+        return info
 
     async def MatchPrefix(self, request, context):
         return await match_prefix(self.worker, self.engine.config.page_size, request, context)

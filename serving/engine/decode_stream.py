@@ -196,6 +196,21 @@ class Sink:
                 nxt = due
         return nxt
 
+    def check_integrity(self) -> None:
+        """Every subscribed slot points here; every hold, held batch, bound and started mark
+        belongs to a held subscription; a held batch ends nothing and is short of its K.
+        AssertionError says what disagrees."""
+        for rid, slot in self.subscribed.items():
+            assert slot.request_id == rid and slot.sink is self, f"{rid}'s slot is not this stream's subscription"
+        stray = set(self.holds) - set(self.subscribed)
+        assert not stray, f"holds without a subscription: {stray}"
+        assert set(self.held) <= set(self.holds) and self._started <= set(self.holds), "held tokens without a hold"
+        assert set(self.due) <= set(self.held), f"bounds without held tokens: {set(self.due) - set(self.held)}"
+        for rid, batch in self.held.items():
+            assert not batch.finish_reason and not batch.handed_off, f"{rid}'s held batch ends its stream"
+            n = len(batch.token_ids)
+            assert n < self.holds[rid][0], f"{rid} holds {n} tokens, its K or more"
+
     def take(self) -> cluster_pb2.DecodeStreamResponse:
         msg, self.ready_msg, self._open = self.ready_msg, cluster_pb2.DecodeStreamResponse(), {}
         return msg
@@ -207,6 +222,18 @@ class Sink:
     def drain(self) -> None:
         self.draining = True
         self.ready.set()
+
+
+def integrity_error(streams) -> str:
+    """Event loop: the first `check_integrity` error among the Sinks in `streams` (a service's
+    persistent streams), or ""."""
+    try:
+        for stream in list(streams):
+            if isinstance(stream, Sink):
+                stream.check_integrity()
+    except AssertionError as e:
+        return str(e) or "a DecodeStream's check_integrity failed"
+    return ""
 
 
 def _follows(last: cluster_pb2.TokenBatch, position: int) -> bool:

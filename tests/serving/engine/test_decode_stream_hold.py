@@ -64,6 +64,7 @@ def feed(rng, hold_k: int | None):
 
 def take(sink, entries, n) -> None:
     """The next message's entries, each as (tokens, logprob count, finish, handoff, code, message `n`)."""
+    sink.check_integrity()
     for it in sink.take().items:
         b = it.batch
         entries[it.request_id].append((list(b.token_ids), len(b.logprobs), b.finish_reason, b.handed_off, it.code, n))
@@ -105,6 +106,8 @@ def test_a_stream_taking_a_request_over_sends_what_the_other_held():
         two.subscribe("a")
         assert [list(i.batch.token_ids) for i in two.take().items] == [[11, 12, 13]]
         assert (one.held, one.holds, a.sink, a.streams) == ({}, {}, two, 1)
+        one.check_integrity()
+        two.check_integrity()
     asyncio.run(main())
 
 
@@ -139,6 +142,26 @@ def test_a_bound_sends_what_is_held_and_a_hold_out_of_range_fails_its_request_al
         inst.decode_stream.close()
         await server.stop(0)
     asyncio.run(main())
+
+
+def test_the_sinks_check_finds_what_disagrees():
+    a = Slot("a", asyncio.Queue())
+    sink = decode_stream.Sink(Table(a=a), "relay")
+    sink.subscribe("a", cluster_pb2.StreamHold(tokens=4))
+    _deliver_token(a, 0, 5)
+    _deliver_token(a, 1, 6)
+    sink.check_integrity()
+    for corrupt, words in ((lambda: sink.held["a"].token_ids.extend([7, 8, 9]), "its K or more"),
+                           (lambda: sink.due.update(b=1.0), "bounds without held tokens"),
+                           (lambda: sink.holds.update(b=(4, 0.0)), "holds without a subscription")):
+        saved = ({k: cluster_pb2.TokenBatch(start_position=v.start_position, token_ids=v.token_ids)
+                  for k, v in sink.held.items()}, dict(sink.due), dict(sink.holds))
+        corrupt()
+        with pytest.raises(AssertionError, match=words):
+            sink.check_integrity()
+        assert words in decode_stream.integrity_error([object(), sink])  # what RLD's / MD's Info reports
+        sink.held, sink.due, sink.holds = saved
+        assert decode_stream.integrity_error([object(), sink]) == ""
 
 
 def test_a_hold_list_that_does_not_match_its_subscriptions_fails_them_alone():
